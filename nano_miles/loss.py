@@ -1,0 +1,69 @@
+"""The dual-clip PPO policy-gradient loss used by GRPO, with the diagnostics a run should log.
+
+Library module; `tests/test_loss.py` pins its behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossConfig:
+    eps_clip: float = 0.2         # lower clip: ratio floor 1 - eps_clip
+    eps_clip_high: float = 0.28   # upper clip: ratio ceiling 1 + eps_clip_high (asymmetric, "clip-higher")
+    dual_clip_c: float = 3.0      # for A < 0 the per-token loss is capped at -c * A (> 1 required)
+
+    def __post_init__(self):
+        assert 0 < self.eps_clip < 1 and self.eps_clip_high > 0, "clip ranges must be positive"
+        assert self.dual_clip_c > 1, "dual_clip_c must exceed 1"
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor          # scalar to backpropagate (masked token mean of the pg loss)
+    clip_fraction: float        # share of response tokens where the clipped term was taken
+    dual_clip_fraction: float   # share of response tokens capped by the dual clip
+    parity: float               # mean |log pi_theta - log pi_engine| on response tokens
+    num_tokens: int
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over True positions; NaN/inf at masked-out positions cannot leak in."""
+    zeros = torch.zeros_like(values)
+    return torch.where(mask, values, zeros).sum() / mask.sum().clamp(min=1)
+
+
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor, cfg: LossConfig = LossConfig(),
+             engine_logp: torch.Tensor | None = None) -> LossOutput:
+    """Dual-clip PPO over (B, T) token tensors; `mask` is True on response tokens.
+
+    rho = exp(clamp(where(mask, logp, old) - old, -20, 20))
+    pg  = max(-rho * A, -clamp(rho, 1 - eps, 1 + eps_high) * A), and for A < 0 min(pg, -c * A).
+    `old_logp` is the behaviour policy (the engine's logprobs); `engine_logp` defaults to it and
+    only feeds the parity diagnostic.
+    """
+    mask = mask.bool()
+    zeros = torch.zeros_like(old_logp)
+    old = torch.where(mask, old_logp, zeros)
+    adv = torch.where(mask, advantages, zeros)
+    # On masked positions the log-ratio is exactly 0, so no value there can overflow exp().
+    log_ratio = torch.clamp(torch.where(mask, logp, old) - old, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1 - cfg.eps_clip, 1 + cfg.eps_clip_high) * adv
+    pg = torch.maximum(unclipped, clipped)
+    dual_cap = -cfg.dual_clip_c * adv
+    is_dual = (adv < 0) & (pg > dual_cap)
+    pg = torch.where(adv < 0, torch.minimum(pg, dual_cap), pg)
+    loss = masked_mean(pg, mask)
+    with torch.no_grad():
+        reference = old if engine_logp is None else torch.where(mask, engine_logp, zeros)
+        clip_frac = masked_mean((clipped > unclipped).float(), mask)
+        dual_frac = masked_mean(is_dual.float(), mask)
+        parity = masked_mean((torch.where(mask, logp, reference) - reference).abs(), mask)
+    return LossOutput(loss=loss, clip_fraction=float(clip_frac), dual_clip_fraction=float(dual_frac),
+                      parity=float(parity), num_tokens=int(mask.sum()))

@@ -1,0 +1,87 @@
+"""GRPO contracts: group whitening with the zero-variance guard, TITO alignment, fp32 logprobs."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nano_miles.grpo import assemble_batch, group_advantages, token_logprobs
+
+
+def test_whitening_matches_formula():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.1, 0.5, 0.9, 0.9]])
+    adv = group_advantages(rewards, eps=1e-6)
+    for g in range(2):
+        r = rewards[g].double()
+        expected = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+        assert torch.allclose(adv[g].double(), expected, atol=1e-6)
+    assert torch.allclose(adv.sum(dim=1), torch.zeros(2), atol=1e-5)
+
+
+def test_all_equal_and_single_sample_groups_give_exact_zero():
+    rewards = torch.tensor([[0.7, 0.7, 0.7], [1.0, 1.0, 1.0 + 1e-9]])
+    assert torch.equal(group_advantages(rewards), torch.zeros(2, 3))
+    assert torch.equal(group_advantages(torch.tensor([[3.0], [-1.0]])), torch.zeros(2, 1))
+
+
+def test_groups_are_independent():
+    a = group_advantages(torch.tensor([[1.0, 0.0], [5.0, 5.0]]))
+    b = group_advantages(torch.tensor([[1.0, 0.0], [100.0, -3.0]]))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], torch.zeros(2))
+
+
+def test_bad_shape_rejected():
+    with pytest.raises(ValueError, match="num_groups"):
+        group_advantages(torch.tensor([1.0, 2.0]))
+
+
+def test_batch_alignment_shift_by_one():
+    prompts = [np.array([5, 6, 7]), np.array([9])]
+    responses = [np.array([1, 2]), np.array([3, 4, 8])]
+    logprobs = [np.array([-0.1, -0.2]), np.array([-0.3, -0.4, -0.5])]
+    b = assemble_batch(prompts, responses, logprobs, [2.0, -1.0], pad_id=0)
+    assert b.input_ids.shape == b.targets.shape == (2, 4)  # T = max(3+2, 1+3) = 5 -> 4 positions
+    assert b.input_ids[0].tolist() == [5, 6, 7, 1] and b.targets[0].tolist() == [6, 7, 1, 2]
+    assert b.input_ids[1].tolist() == [9, 3, 4, 8] and b.targets[1].tolist() == [3, 4, 8, 0]
+    # response occupies prediction positions [P-1, P+R-1): exactly R of them, targets == response
+    assert b.loss_mask[0].tolist() == [False, False, True, True]
+    assert b.loss_mask[1].tolist() == [True, True, True, False]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        assert b.targets[i][b.loss_mask[i]].tolist() == r.tolist()
+    assert b.advantages[0].tolist() == [0, 0, 2, 2] and b.advantages[1].tolist() == [-1, -1, -1, 0]
+    assert torch.allclose(b.old_logprobs[0], torch.tensor([0, 0, -0.1, -0.2]))
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert b.num_tokens == 5
+
+
+def test_batch_rejects_inconsistent_samples():
+    with pytest.raises(ValueError, match="len\\(logprobs\\) == R"):
+        assemble_batch([np.array([1])], [np.array([2, 3])], [np.array([-1.0])], [0.0], pad_id=0)
+    with pytest.raises(ValueError, match="P >= 1"):
+        assemble_batch([np.array([], dtype=np.int64)], [np.array([2])], [np.array([-1.0])], [0.0], 0)
+
+
+class Bigram(torch.nn.Module):
+    """A model whose logits at a position depend only on the token there: easy to check by hand."""
+
+    def __init__(self, vocab=7):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return type("Out", (), {"logits": self.table[input_ids]})()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_token_logprobs_are_fp32_temperature_scaled(temperature):
+    model = Bigram()
+    ids = torch.tensor([[1, 2, 3]])
+    tgt = torch.tensor([[2, 3, 4]])
+    got = token_logprobs(model, ids, tgt, torch.ones_like(ids), temperature=temperature)
+    scale = temperature if temperature > 0 else 1.0
+    for t in range(3):
+        row = model.table[ids[0, t]].double() / scale
+        expected = row[tgt[0, t]] - torch.logsumexp(row, 0)
+        assert math.isclose(got[0, t].item(), expected.item(), abs_tol=1e-6)
+    assert got.dtype == torch.float32
