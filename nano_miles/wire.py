@@ -139,7 +139,7 @@ def validate_rollout(group: RolloutGroup) -> None:
     """Raise WireError naming the first field of `group` that breaks an invariant."""
     parse_group_id(group.group_id)
     _check_count(group.attempt, "attempt")
-    num_prompt = _check_tokens(group.prompt_tokens, "prompt_tokens", MAX_TOKENS_PER_SEQUENCE)
+    num_prompt = _check_tokens(group.prompt_tokens, "prompt_tokens")
     samples = group.samples
     if not isinstance(samples, list) or not 1 <= len(samples) <= MAX_SAMPLES_PER_GROUP:
         raise WireError(f"samples: expected a list of 1..{MAX_SAMPLES_PER_GROUP} samples, got {_show(samples)}")
@@ -147,8 +147,7 @@ def validate_rollout(group: RolloutGroup) -> None:
         where = f"samples[{i}]"
         if not isinstance(s, Sample):
             raise WireError(f"{where}: expected a Sample, got {type(s).__name__}")
-        num_resp = _check_tokens(s.response_tokens, f"{where}.response_tokens",
-                                 MAX_TOKENS_PER_SEQUENCE - num_prompt)
+        num_resp = _check_tokens(s.response_tokens, f"{where}.response_tokens", num_prompt)
         _check_floats(s.logprobs, f"{where}.logprobs", num_resp, "response_tokens")
         _check_array(s.versions, f"{where}.versions", "i", num_resp, "response_tokens")
         v = s.versions
@@ -195,10 +194,13 @@ def _check_array(a: object, where: str, kind: str, length: int | None, length_of
         raise WireError(f"{where}: length {len(a)} != {length_of} length {length}")
 
 
-def _check_tokens(a: object, where: str, max_tokens: int) -> int:
+def _check_tokens(a: object, where: str, num_tokens_before: int = 0) -> int:
     _check_array(a, where, "i", None)
-    if not 1 <= len(a) <= max_tokens:
-        raise WireError(f"{where}: {len(a)} tokens, expected 1..{max_tokens}")
+    if not len(a):
+        raise WireError(f"{where}: empty (at least 1 token)")
+    if num_tokens_before + len(a) > MAX_TOKENS_PER_SEQUENCE:
+        raise WireError(f"{where}: sequence of {num_tokens_before + len(a)} tokens > "
+                        f"MAX_TOKENS_PER_SEQUENCE {MAX_TOKENS_PER_SEQUENCE}")
     if a.min() < 0:
         raise WireError(f"{where}: negative token id {a.min()} at position {int(a.argmin())}")
     return len(a)
