@@ -1,0 +1,234 @@
+"""HTTP layer of the local engine: SGLang's native routes over stdlib http.server.
+Run: python procs/engine.py --model-path DIR [--host 127.0.0.1] [--port 30000]
+
+Handler threads parse and validate; the scheduler thread owns the model. Status codes follow
+reference/sglang-contract.md: 400 `{"error": {"message"}}` for a bad /generate, the OpenAI-style
+error envelope for bad control requests, `{"success": false, ...}` 400 for a failed weight update.
+"""
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from nano_miles.local_engine import ENGINE_VERSION
+from nano_miles.local_engine.protocol import generate_response, parse_generate
+from nano_miles.local_engine.sampling import SamplingParams
+from nano_miles.local_engine.scheduler import PAUSE_MODES, Request, Scheduler, SchedulerStopped
+from nano_miles.weight_sync import apply_weight_update
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 300.0  # a control command waits at most this long for a step boundary
+PAUSE_ABORT_TIMEOUT_S = 30.0  # pause(abort) waits this long for aborted requests to be answered
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # same budget as SGLang's health check
+
+
+@dataclass
+class EngineState:
+    scheduler: Scheduler
+    model_path: str
+    model_type: str
+    architectures: list[str]
+    vocab_size: int
+    context_len: int
+    device: str
+    dtype: str
+    host: str
+    port: int
+
+
+class EngineHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client connection must not block shutdown
+    allow_reuse_address = True
+
+    def __init__(self, state: EngineState):
+        self.state = state
+        super().__init__((state.host, state.port), EngineHandler)
+
+
+class EngineHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: EngineHTTPServer
+
+    # ---- plumbing ----
+    def log_message(self, format, *args):  # one line per request only at debug level
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("client of %s went away before the response", self.path)
+
+    def _json(self, status: int, obj) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json")
+
+    def _error(self, status: int, message: str) -> None:
+        if self._route_path == "/generate":
+            self._json(status, {"error": {"message": message}})
+        else:
+            self._json(status, {"object": "error", "message": message, "type": HTTPStatus(status).phrase,
+                                "param": None, "code": status})
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length > 0 else b""
+        if not raw.strip():
+            return {}
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"invalid JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        return body
+
+    def _dispatch(self, method: str) -> None:
+        self._route_path = urlsplit(self.path).path
+        handler = ROUTES.get((method, self._route_path))
+        if handler is None:
+            # drain the body so a keep-alive connection stays usable
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._json(404, {"detail": "Not Found"})
+            return
+        try:
+            handler(self)
+        except ValueError as e:  # validation: the client's fault
+            self._error(400, str(e))
+        except (SchedulerStopped, TimeoutError) as e:
+            self._error(503, str(e))
+
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    # ---- routes ----
+    def generate(self):
+        state = self.server.state
+        body = self._body()
+        reqs, is_batch = parse_generate(body, state.vocab_size, state.context_len)
+        state.scheduler.submit(reqs)
+        try:
+            for r in reqs:
+                state.scheduler.wait(r)
+            outputs = [generate_response(r) for r in reqs]
+            self._json(200, outputs if is_batch else outputs[0])
+        finally:
+            state.scheduler.release(reqs)
+
+    def health(self):
+        self._send(200 if self.server.state.scheduler.is_alive else 503, b"", "text/plain")
+
+    def health_generate(self):
+        scheduler = self.server.state.scheduler
+        if scheduler.is_paused:  # SGLang would block (then 503 after 20 s); answer at once instead
+            self._send(503, b"generation is paused", "text/plain")
+            return
+        r = Request(rid=f"health-{uuid.uuid4().hex}", input_ids=[0], params=SamplingParams(max_new_tokens=1))
+        scheduler.submit([r])
+        try:
+            is_ok = r.done.wait(timeout=HEALTH_GENERATE_TIMEOUT_S) and r.finish_reason["type"] != "abort"
+        finally:
+            scheduler.release([r])
+        self._send(200 if is_ok else 503, b"", "text/plain")
+
+    def model_info(self):
+        state = self.server.state
+        self._json(200, {"model_path": state.model_path, "tokenizer_path": None, "is_generation": True,
+                         "preferred_sampling_params": None, "weight_version": state.scheduler.weight_version,
+                         "has_image_understanding": False, "has_audio_understanding": False,
+                         "model_type": state.model_type, "architectures": state.architectures})
+
+    def server_info(self):
+        state = self.server.state
+        self._json(200, {"version": ENGINE_VERSION, "weight_version": state.scheduler.weight_version,
+                         "model_path": state.model_path, "host": state.host, "port": state.port,
+                         "device": state.device, "dtype": state.dtype, "context_length": state.context_len,
+                         "max_running_requests": state.scheduler.max_running_requests,
+                         "skip_tokenizer_init": True, "internal_states": [state.scheduler.stats()]})
+
+    def flush_cache(self):
+        self._body()
+        # no prefix cache to flush: every request prefills from scratch
+        self._send(200, b"Cache flushed.\n", "text/plain")
+
+    def pause_generation(self):
+        mode = self._body().get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        scheduler = self.server.state.scheduler
+        aborted = scheduler.run_in_loop(lambda: scheduler.pause(mode), CONTROL_TIMEOUT_S)
+        # abort: like SGLang, return only once every aborted /generate has been answered
+        deadline = time.monotonic() + PAUSE_ABORT_TIMEOUT_S
+        num_unanswered = sum(not r.responded.wait(max(0.0, deadline - time.monotonic())) for r in aborted)
+        log.info("generation paused (mode=%s, %d requests aborted%s)", mode, len(aborted),
+                 f", {num_unanswered} not answered in time" if num_unanswered else "")
+        self._json(200, {"message": "Generation paused successfully.", "status": "ok"})
+
+    def continue_generation(self):
+        self._body()
+        scheduler = self.server.state.scheduler
+        scheduler.run_in_loop(scheduler.resume, CONTROL_TIMEOUT_S)
+        log.info("generation continued")
+        self._json(200, {"message": "Generation continued successfully.", "status": "ok"})
+
+    def update_weights_from_tensor(self):
+        body = self._body()
+        serialized = body.get("serialized_named_tensors")
+        load_format, version = body.get("load_format"), body.get("weight_version")
+        if not isinstance(serialized, list) or not serialized or not all(isinstance(s, str) for s in serialized):
+            raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
+        if not (load_format is None or isinstance(load_format, str)):
+            raise ValueError("load_format must be a string or null")
+        if not (version is None or isinstance(version, str)):
+            raise ValueError("weight_version must be a string or null")
+        scheduler = self.server.state.scheduler
+
+        def apply() -> int:  # on the scheduler thread, between two forwards
+            start_s = time.perf_counter()
+            num_tensors = apply_weight_update(scheduler.model, serialized, load_format)
+            if version is not None:
+                scheduler.weight_version = version
+            log.info("weights updated: %d tensors in %.1f ms, weight_version=%s", num_tensors,
+                     1000 * (time.perf_counter() - start_s), scheduler.weight_version)
+            return num_tensors
+
+        try:
+            scheduler.run_in_loop(apply, CONTROL_TIMEOUT_S)
+        except ValueError as e:  # WeightUpdateError is a ValueError
+            log.warning("weight update rejected: %s", e)
+            self._json(400, {"success": False, "message": f"Failed to update weights: {e}"})
+            return
+        message = "Success." + (f" Weight version updated to {version}." if version is not None else "")
+        self._json(200, {"success": True, "message": message})
+
+
+ROUTES = {
+    ("POST", "/generate"): EngineHandler.generate,
+    ("PUT", "/generate"): EngineHandler.generate,
+    ("GET", "/health"): EngineHandler.health,
+    ("GET", "/health_generate"): EngineHandler.health_generate,
+    ("GET", "/model_info"): EngineHandler.model_info,
+    ("GET", "/get_model_info"): EngineHandler.model_info,
+    ("GET", "/server_info"): EngineHandler.server_info,
+    ("GET", "/get_server_info"): EngineHandler.server_info,
+    ("GET", "/flush_cache"): EngineHandler.flush_cache,
+    ("POST", "/flush_cache"): EngineHandler.flush_cache,
+    ("POST", "/pause_generation"): EngineHandler.pause_generation,
+    ("POST", "/continue_generation"): EngineHandler.continue_generation,
+    ("POST", "/update_weights_from_tensor"): EngineHandler.update_weights_from_tensor,
+}
