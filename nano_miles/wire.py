@@ -146,7 +146,7 @@ def validate_rollout(group: RolloutGroup) -> None:
     ends = []  # where each sample ends in the concatenation of all responses
     for i, s in enumerate(samples):
         # Fast path without building error strings; the precise checks run only to explain a failure.
-        num = len(s.response_tokens) if type(s) is Sample and _is_vector(s.response_tokens, "i") else 0
+        num = len(s.response_tokens) if isinstance(s, Sample) and _is_vector(s.response_tokens, "i") else 0
         if not (0 < num <= MAX_TOKENS_PER_SEQUENCE - num_prompt and _is_vector(s.logprobs, "f", num)
                 and _is_vector(s.versions, "i", num) and _is_finish_reason(s.finish_reason)):
             _explain_sample(s, f"samples[{i}]", num_prompt)
