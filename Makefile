@@ -1,0 +1,36 @@
+# nano-miles: `make run` trains the default pipeline under supervisord; `make test` runs the tests.
+# Both create .venv on first use. TORCH pins the CPU build kept on this project's machines; a GPU
+# machine brings its own torch (the package accepts torch>=2.11): `make setup TORCH=`.
+
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: setup test run status policy clean-runs
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+# Keeps the previous run (moved to runs/<time>), then runs the pipeline in the foreground.
+run: setup
+	@if [ -n "$$(ls -A runs/current 2>/dev/null | grep -v '^.gitkeep$$')" ]; then \
+		mv runs/current runs/$$(date +%Y%m%d-%H%M%S); fi
+	@mkdir -p runs/current && touch runs/current/.gitkeep
+	$(VENV)/bin/supervisord -c supervisord.conf
+	@$(PY) -m nano_miles.run_report runs/current
+
+status: setup
+	$(VENV)/bin/supervisorctl -c supervisord.conf status
+
+policy: setup
+	$(PY) -m nano_miles.policy build --out nano_miles/assets/policy

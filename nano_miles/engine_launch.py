@@ -1,0 +1,48 @@
+"""Starts the configured engine in the engine slot: the local engine, or SGLang on a GPU.
+
+Run: python -m nano_miles.engine_launch [--config FILE] [--section.key=value ...] [--print]
+The process replaces itself (exec) with the engine, so supervisord's signals reach the server.
+`--print` shows the command line instead of running it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from nano_miles.config import REPO_ROOT, Config, ConfigError, config_from_argv
+
+
+def engine_command(cfg: Config) -> list[str]:
+    """The argv of the engine server for this config (both speak the same HTTP contract)."""
+    e = cfg.engine
+    common = ["--model-path", str(cfg.model_path()), "--host", e.host, "--port", str(e.port),
+              "--weight-version", "0"]
+    if e.kind == "local":
+        return [sys.executable, str(REPO_ROOT / "procs" / "engine.py"), *common, "--device", e.device,
+                "--dtype", e.dtype, "--num-threads", str(e.num_threads)]
+    dtype = "bfloat16" if e.dtype == "bfloat16" else "float32"
+    return [sys.executable, "-m", "sglang.launch_server", *common,
+            "--skip-tokenizer-init",                      # token ids in and out, never text
+            "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
+            "--dtype", dtype, "--random-seed", str(cfg.run.seed)]
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        cfg, rest = config_from_argv(argv)
+    except ConfigError as e:
+        print(f"engine: config error: {e}", file=sys.stderr)
+        return 2
+    cmd = engine_command(cfg)
+    if "--print" in rest:
+        print(" ".join(cmd))
+        return 0
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

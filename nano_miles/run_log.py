@@ -1,0 +1,73 @@
+"""Per-step statistics, the one-line step log, and the end-of-run summary.
+
+Library module used by the trainer; `metrics.jsonl` in the run directory holds one record per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class StepStats:
+    reward: float
+    format: float             # share of samples with a well-formed answer
+    accuracy: float           # share of samples with the right answer
+    pg_loss: float
+    clip_fraction: float
+    grad_norm: float
+    parity: float             # mean |log pi_trainer - log pi_engine| on response tokens, before the step
+    staleness_max: int
+    staleness_mean: float
+    num_samples: int
+    num_tokens: int           # response tokens trained
+    update_ms: float = 0.0
+
+    @classmethod
+    def from_groups(cls, groups, step: int, loss_out, grad_norm: float) -> "StepStats":
+        rewards = np.concatenate([g.rewards for g in groups])
+        parts = {k: np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups])
+                 for k in ("format", "accuracy")}
+        staleness = np.array([(step - 1) - int(s.versions[0]) for g in groups for s in g.group.samples])
+        return cls(reward=float(rewards.mean()), format=float(parts["format"].mean()),
+                   accuracy=float(parts["accuracy"].mean()), pg_loss=float(loss_out.loss.detach()),
+                   clip_fraction=loss_out.clip_fraction, grad_norm=grad_norm, parity=loss_out.parity,
+                   staleness_max=int(staleness.max()), staleness_mean=float(staleness.mean()),
+                   num_samples=len(rewards), num_tokens=loss_out.num_tokens)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def format_step_line(r: dict, num_steps: int) -> str:
+    line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} | format {100 * r['format']:5.1f}% "
+            f"| acc {100 * r['accuracy']:5.1f}% | pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
+            f"| gnorm {r['grad_norm']:.3f} | parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
+            f"| stale {r['staleness_max']} | step {r['step_s']:.2f}s")
+    if "eval_accuracy" in r:
+        line += f" | held-out {100 * r['eval_accuracy']:.1f}%"
+    return line
+
+
+def summarize(history: list[dict]) -> dict:
+    """Early vs late mean reward, held-out accuracy at start / max / end, and the gains."""
+    steps = [r for r in history if "reward" in r]
+    evals = [(r["step"], r["eval_accuracy"]) for r in history if "eval_accuracy" in r]
+    window = max(1, len(steps) // 5)
+    early = float(np.mean([r["reward"] for r in steps[:window]])) if steps else float("nan")
+    late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")
+    start_acc = evals[0][1] if evals else float("nan")
+    max_acc = max(a for _, a in evals) if evals else float("nan")
+    return {
+        "num_steps": len(steps),
+        "reward_early": early, "reward_late": late, "reward_delta": late - early,
+        "eval_accuracy_start": start_acc, "eval_accuracy_max": max_acc,
+        "eval_accuracy_end": evals[-1][1] if evals else float("nan"),
+        "eval_accuracy_delta": max_acc - start_acc,
+        "staleness_max": max((r["staleness_max"] for r in steps), default=0),
+        "mean_step_s": float(np.mean([r["step_s"] for r in steps])) if steps else float("nan"),
+        "mean_update_ms": float(np.mean([r["update_ms"] for r in steps])) if steps else float("nan"),
+        "evals": evals,
+    }

@@ -1,0 +1,43 @@
+"""Trainer process: scored groups -> GRPO steps -> weight hot-updates of the engine; ends the run.
+
+Run: python procs/trainer.py [--config FILE] [--section.key=value ...]   (usually by supervisord)
+Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    from nano_miles.config import ConfigError, config_from_argv
+    try:
+        cfg, rest = config_from_argv(argv)
+    except ConfigError as e:
+        print(f"trainer: config error: {e}", file=sys.stderr)
+        return 2
+    import torch
+    import zmq
+    from transformers import AutoModelForCausalLM
+    from nano_miles.pipeline import load_tokenizer, make_evaluator, setup_process
+    from nano_miles.tasks import load_reward_fn
+    from nano_miles.trainer import Trainer
+
+    setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
+    (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
+    torch.manual_seed(cfg.run.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(cfg.model_path()), dtype=torch.float32)
+    model.to(cfg.trainer.device)
+    tokenizer = load_tokenizer(cfg)
+    evaluator = make_evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
