@@ -1,0 +1,68 @@
+"""Config layering: defaults < TOML file < $NANOMILES_OVERRIDES < command line; bad keys are errors."""
+
+import tomllib
+
+import pytest
+
+from nano_miles.config import ConfigError, config_from_argv, load_config
+from nano_miles.engine_launch import engine_command
+from nano_miles.supervise import decide, parse_payload
+
+
+def test_layers_and_types(tmp_path, monkeypatch):
+    f = tmp_path / "c.toml"
+    f.write_text('[trainer]\nlr = 0.01\nnum_steps = 7\n[run]\nmode = "async"\n')
+    monkeypatch.setenv("NANOMILES_OVERRIDES", "--trainer.num_steps=9 --rollout.temperature=1")
+    cfg, rest = config_from_argv(["--config", str(f), "--trainer.lr=2e-3", "--run.max_staleness=2", "x"])
+    assert cfg.trainer.lr == 2e-3 and cfg.trainer.num_steps == 9 and cfg.run.mode == "async"
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.run.max_staleness == 2 and rest == ["x"]
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(overrides=["--model.path=/some dir/with \"quotes\"", "--trainer.lr=0.125"])
+    f = tmp_path / "dump.toml"
+    f.write_text(cfg.to_toml())
+    assert tomllib.loads(f.read_text())["model"]["path"] == '/some dir/with "quotes"'
+    assert load_config(f).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("override, match", [
+    ("--trainer.bogus=1", "unknown key.*trainer.*bogus"),
+    ("--nosuch.key=1", "unknown section.*nosuch"),
+    ("--trainer.lr=fast", "trainer.lr must be a number"),
+    ("--trainer.num_steps=1.5", "trainer.num_steps must be an integer"),
+    ("--run.mode=turbo", "run.mode"),
+    ("--trainer.num_steps=0", "num_steps"),
+    ("trainer-lr", "must look like --section.key=value"),
+])
+def test_bad_overrides_are_named(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+def test_missing_or_broken_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+
+
+def test_engine_command_lines(tmp_path):
+    local = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.port=1234"]))
+    assert local[1].endswith("procs/engine.py") and local[local.index("--port") + 1] == "1234"
+    sg = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
+                                               "--engine.dtype=bfloat16"]))
+    assert sg[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in sg
+    assert sg[sg.index("--model-path") + 1] == str(tmp_path) and sg[sg.index("--dtype") + 1] == "bfloat16"
+    assert "--mem-fraction-static" in sg and sg[sg.index("--weight-version") + 1] == "0"
+
+
+def test_run_end_listener_decisions():
+    assert decide("PROCESS_STATE_EXITED", parse_payload("processname:trainer groupname:nanomiles "
+                                                        "from_state:RUNNING expected:1 pid:3")) == "done"
+    assert decide("PROCESS_STATE_EXITED", parse_payload("processname:trainer expected:0 pid:3")) is None
+    assert decide("PROCESS_STATE_EXITED", parse_payload("processname:reward expected:1 pid:3")) is None
+    assert "engine" in decide("PROCESS_STATE_FATAL", parse_payload("processname:engine from_state:BACKOFF"))
