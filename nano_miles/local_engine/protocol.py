@@ -45,7 +45,9 @@ def parse_generate(body, vocab_size: int, context_len: int) -> tuple[list[Reques
     input_ids = body.get("input_ids")
     if input_ids is None:
         raise ValueError("input_ids is required (the engine serves token ids only)")
-    if not isinstance(input_ids, list) or not input_ids:
+    if not isinstance(input_ids, list):
+        raise ValueError("input_ids must be a list of token ids (or a list of such lists)")
+    if not input_ids:
         raise ValueError("input_ids cannot be empty.")
     is_batch = not isinstance(input_ids[0], int)
     prompts = [_check_ids(p, vocab_size, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if is_batch \

@@ -45,6 +45,7 @@ class EngineState:
 class EngineHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client connection must not block shutdown
     allow_reuse_address = True
+    request_queue_size = 1024  # listen backlog: a rollout burst opens hundreds of connections at once
 
     def __init__(self, state: EngineState):
         self.state = state
