@@ -59,7 +59,8 @@ class Trainer:
             groups, wait_s = self.pull_batch()
             stats = self.optimize(groups)
             stats.update_ms = 1000 * self.update_weights(self.step)
-            record = {"step": self.step, "wait_s": wait_s, **stats.as_dict()}
+            record = {"step": self.step, "version": self.version, "wait_s": wait_s, **stats.as_dict(),
+                      "group_ids": [g.group.group_id for g in groups]}
             if self.is_due(self.cfg.trainer.eval_every):
                 self.evaluate_into(record)
             record["step_s"] = time.perf_counter() - started

@@ -1,0 +1,77 @@
+"""Runs the real supervisord.conf in a private run directory: the harness of the pipeline tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, free_port
+
+
+class SupervisedRun:
+    """The repo's supervisord.conf with its run directory moved to `run_dir`, on private endpoints."""
+
+    def __init__(self, run_dir: Path, overrides: list[str]):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = (REPO / "supervisord.conf").read_text()
+        text = text.replace("%(here)s/runs/current", str(run_dir)).replace("%(here)s", str(REPO))
+        self.conf = run_dir / "supervisord.conf"
+        self.conf.write_text(text)
+        endpoints = [f"--engine.port={free_port()}",
+                     f"--rollout.control_endpoint=ipc://{run_dir}/control.sock",
+                     f"--reward.endpoint=ipc://{run_dir}/reward.sock",
+                     f"--trainer.endpoint=ipc://{run_dir}/trainer.sock"]
+        self.env = {**os.environ,
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                    "NANOMILES_OVERRIDES": " ".join(endpoints + overrides)}
+        self.proc: subprocess.Popen | None = None
+        self.output = run_dir / "supervisord.out"
+
+    def start(self) -> "SupervisedRun":
+        self.proc = subprocess.Popen(["supervisord", "-c", str(self.conf)], cwd=REPO, env=self.env,
+                                     stdout=self.output.open("wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run did not finish in {timeout_s}s; last output:\n{self.tail()}")
+
+    def ctl(self, *args: str) -> str:
+        out = subprocess.run(["supervisorctl", "-c", str(self.conf), *args], env=self.env,
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout + out.stderr
+
+    def tail(self, num_chars: int = 4000) -> str:
+        parts = []
+        for name in ("supervisord.out", "trainer.log", "rollout.log", "reward.log", "engine.log"):
+            p = self.run_dir / name
+            if p.exists():
+                parts.append(f"--- {name}\n{p.read_text()[-num_chars:]}")
+        return "\n".join(parts)
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def stop(self) -> None:
+        """Tear down supervisord and every stage it started, whatever state they are in."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
