@@ -99,11 +99,11 @@ def parse_sampling_params(raw, vocab_size: int) -> SamplingParams:
     return params
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A private RNG for a seeded request, so its samples do not depend on what else is in the batch."""
     if params.sampling_seed is None:
         return None
-    return torch.Generator().manual_seed(params.sampling_seed)
+    return torch.Generator(device=device).manual_seed(params.sampling_seed)
 
 
 def _sample_row(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -123,13 +123,13 @@ def _sample_row(logprobs: torch.Tensor, params: SamplingParams, generator: torch
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
                   generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """Next token and its logprob for each row of `logits` [batch, vocab]."""
+    """Next token and its logprob for each row of `logits` [batch, vocab] (on the model's device)."""
     logits = logits.float()
-    temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params])
+    temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)
     # dividing by exactly 1.0 is the identity, so greedy rows get plain log_softmax(logits)
     logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
-    tokens = [int(logits[i].argmax()) if p.is_greedy else _sample_row(logprobs[i], p, generators[i])
-              for i, p in enumerate(params)]
-    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    argmax = logits.argmax(dim=-1).tolist()  # one device sync for all greedy rows
+    tokens = [argmax[i] if p.is_greedy else _sample_row(logprobs[i], p, generators[i]) for i, p in enumerate(params)]
+    chosen = logprobs[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)]
     # like SGLang, never report -inf (it is not valid JSON)
     return tokens, chosen.clamp(min=torch.finfo(torch.float32).min).tolist()

@@ -101,7 +101,7 @@ class Scheduler:
             if duplicates:
                 raise ValueError(f"Duplicate request ID detected: {sorted(duplicates)}")
             for r in reqs:
-                r.generator = make_generator(r.params)
+                r.generator = make_generator(r.params, self.device)
                 self._active[r.rid] = r
             self._waiting.extend(reqs)
             self._cond.notify_all()
@@ -221,7 +221,7 @@ class Scheduler:
                              logits_to_keep=num_logits, **{self._cache_kwarg: cache})
         self.num_forward_steps += 1
         self.max_batch_size_seen = max(self.max_batch_size_seen, input_ids.shape[0])
-        return out.logits.float().cpu(), kv_batch.from_transformers_cache(out[self._cache_kwarg])
+        return out.logits.float(), kv_batch.from_transformers_cache(out[self._cache_kwarg])
 
     def _admit(self) -> None:
         with self._cond:
@@ -273,7 +273,7 @@ class Scheduler:
         if start >= len(ids):
             return []
         logprobs = torch.log_softmax(logits[start:len(ids) - 1], dim=-1)
-        targets = torch.tensor(ids[start + 1:], dtype=torch.long)
+        targets = torch.tensor(ids[start + 1:], dtype=torch.long, device=logits.device)
         values = logprobs.gather(1, targets[:, None])[:, 0].clamp(min=torch.finfo(torch.float32).min)
         return [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(values.tolist(), ids[start + 1:])]
 
