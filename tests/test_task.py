@@ -68,9 +68,9 @@ def test_worked_response_is_scored_correct():
 
 
 def test_example_from_the_docs():
-    left = Expression(a=15, op_inner="*", b=4, op_outer="+", c=27, is_left=True)
-    assert (left.text(), left.value()) == ("(15 * 4) + 27", 87)
-    assert left.worked_response() == "15*4=60, 60+27=87 <answer>87</answer>"
+    left = Expression(a=7, op_inner="*", b=4, op_outer="+", c=12, is_left=True)
+    assert (left.text(), left.value()) == ("(7 * 4) + 12", 40)
+    assert left.worked_response() == "7*4=28, 28+12=40 <answer>40</answer>"
     right = Expression(a=12, op_inner="*", b=6, op_outer="-", c=10, is_left=False)
     assert (right.text(), right.value()) == ("10 - (12 * 6)", -62)
     assert right.worked_response() == "12*6=72, 10-72=-62 <answer>-62</answer>"

@@ -2,10 +2,10 @@
 Used as a library: `make_problems("train", 1000)`; the reward plug-in is `nano_miles.tasks.arithmetic:reward`.
 
 A problem is one binary operation inside parentheses combined with one more number, e.g.
-`(15 * 4) + 27` or `100 - (12 * 6)`. The policy is taught to answer in this shape:
+`(7 * 4) + 12` or `10 - (12 * 6)`, operands 1..MAX_OPERAND. The policy is taught to answer so:
 
-    prompt:   What is (15 * 4) + 27? Put the answer in <answer></answer>.\n
-    response: 15*4=60, 60+27=87 <answer>87</answer>
+    prompt:   What is (7 * 4) + 12? Put the answer in <answer></answer>.\n
+    response: 7*4=28, 28+12=40 <answer>40</answer>
 
 The worked step gives RL partial structure to improve on; only the tagged number is scored.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 SPLITS = ("train", "test")
 OPS = ("+", "-", "*")
-MAX_OPERAND = 20
+MAX_OPERAND = 12  # 20 made the small policy's warm-up about twice as long for the same accuracy
 # One test expression in TEST_ONE_IN goes to the test split, decided by a stable hash of its text.
 TEST_ONE_IN = 10
 
@@ -97,6 +97,11 @@ def all_expressions() -> list[Expression]:
 @functools.lru_cache(maxsize=len(SPLITS))
 def split_expressions(split: str) -> tuple[Expression, ...]:
     return tuple(e for e in all_expressions() if split_of(e.text()) == split)
+
+
+def num_problems(split: str) -> int:
+    """How many distinct problems `split` holds."""
+    return len(split_expressions(split))
 
 
 def render_prompt(expression_text: str) -> str:
