@@ -129,6 +129,13 @@ class EngineClient:
     def server_info(self) -> dict:
         return self._call("GET", "/server_info")
 
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
+        result = self._call("POST", "/update_weights_from_disk",
+                            {"model_path": model_path, "weight_version": weight_version})
+        if not result.get("success"):
+            raise EngineError(200, result.get("message", "weight update failed"))
+        return result
+
     def update_weights_from_tensor(self, serialized: list[str], *, load_format: str | None = None,
                                    weight_version: str | None = None, flush_cache: bool = True) -> dict:
         body = {"serialized_named_tensors": serialized, "load_format": load_format,

