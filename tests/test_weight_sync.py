@@ -81,3 +81,23 @@ def test_bad_update_leaves_model_untouched(named, match):
     with pytest.raises(WeightUpdateError, match=match):
         apply_weight_update(model, [serialize_named_tensors(named)])
     assert torch.equal(model.embed.weight, before)
+
+
+REPEATED_READER = """
+import sys, torch
+from nano_miles.weight_sync import apply_weight_update
+model = torch.nn.Linear(4, 3, bias=False)
+payload = sys.stdin.readline().strip()
+for _ in range(5):  # the same segments, mapped again and again, as with every training step
+    apply_weight_update(model, [payload])
+print(f"{model.weight.sum().item():.4f}")
+"""
+
+
+def test_segments_survive_repeated_updates_from_another_process():
+    weight = torch.full((3, 4), 0.25)
+    payload = serialize_named_tensors([("weight", weight)])
+    out = subprocess.run([sys.executable, "-c", REPEATED_READER], input=payload + "\n",
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "3.0000"
