@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,11 +17,13 @@ from conftest import REPO, free_port
 class SupervisedRun:
     """The repo's supervisord.conf with its run directory moved to `run_dir`, on private endpoints."""
 
-    def __init__(self, run_dir: Path, overrides: list[str]):
+    def __init__(self, run_dir: Path, overrides: list[str], *, is_autostart: bool = True):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         text = (REPO / "supervisord.conf").read_text()
         text = text.replace("%(here)s/runs/current", str(run_dir)).replace("%(here)s", str(REPO))
+        if not is_autostart:  # the test starts each stage itself, in an order of its choosing
+            text = re.sub(r"^(\[program:\w+\])$", r"\1\nautostart=false", text, flags=re.M)
         self.conf = run_dir / "supervisord.conf"
         self.conf.write_text(text)
         endpoints = [f"--engine.port={free_port()}",
@@ -44,6 +47,14 @@ class SupervisedRun:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"run did not finish in {timeout_s}s; last output:\n{self.tail()}")
+
+    def wait_for_socket(self, timeout_s: float = 30) -> None:
+        """supervisord is up once its control socket exists (then supervisorctl works)."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.run_dir / "supervisor.sock").exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"supervisord did not come up:\n{self.tail()}")
+            time.sleep(0.1)
 
     def ctl(self, *args: str) -> str:
         out = subprocess.run(["supervisorctl", "-c", str(self.conf), *args], env=self.env,
