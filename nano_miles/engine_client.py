@@ -1,7 +1,7 @@
 """HTTP client for the inference engine: SGLang (GPU) or the local engine, same native API.
 Used by the rollout producer and the trainer; try `EngineClient("http://127.0.0.1:30000").health()`.
 
-Thread-safe: every call opens its own connection. Non-2xx answers raise EngineError with the
+Thread-safe: each thread keeps its own keep-alive connection. Non-2xx answers raise EngineError with the
 server's message. Logprob entries are indexed (e[0], e[1]), never unpacked: SGLang sends
 [logprob, token_id, text] while some mocks send pairs.
 """
@@ -9,6 +9,7 @@ server's message. Logprob entries are indexed (e[0], e[1]), never unpacked: SGLa
 import http.client
 import json
 import logging
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -57,17 +58,39 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.host, self.port = parts.hostname, parts.port or 80
         self.timeout_s = timeout_s
+        self._local = threading.local()
 
     def _request(self, method: str, path: str, body=None, timeout_s: float | None = None) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s or self.timeout_s)
+        """One HTTP exchange on this thread's keep-alive connection (a new TCP connection per
+        call costs milliseconds, more than a small weight update itself)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        timeout_s = timeout_s or self.timeout_s
+        conn = getattr(self._local, "conn", None)
+        is_reused = conn is not None
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         try:
-            data = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
             conn.request(method, path, body=data, headers=headers)
             response = conn.getresponse()
             return response.status, response.read()
-        finally:
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            self._drop_connection()
+            if is_reused:  # the server closed an idle connection before reading this request
+                return self._request(method, path, body, timeout_s)
+            raise
+        except (OSError, http.client.HTTPException):
+            self._drop_connection()
+            raise
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
             conn.close()
+            self._local.conn = None
 
     def _call(self, method: str, path: str, body=None, timeout_s: float | None = None):
         status, raw = self._request(method, path, body, timeout_s)
