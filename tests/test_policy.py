@@ -1,0 +1,73 @@
+"""Tests of the shipped small policy: loads as a plain HF Qwen2 model, tokenizer round-trips, learns a little.
+Run: pytest tests/test_policy.py
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+from nano_miles.policy import encode_prompt, evaluate_model
+from nano_miles.tasks.arithmetic import make_expressions, make_problems
+
+MAX_SIZE_BYTES = 8 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def model(policy_dir):
+    return AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(policy_dir):
+    return AutoTokenizer.from_pretrained(policy_dir)
+
+
+def test_is_a_small_tied_fp32_qwen2(policy_dir, model):
+    assert isinstance(model, Qwen2ForCausalLM)
+    assert model.config.model_type == "qwen2"
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with safe_open(policy_dir / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+        assert all(f.get_slice(n).get_dtype() == "F32" for n in names)
+    assert "lm_head.weight" not in names  # tied: stored once, as the embedding
+    assert sum(p.stat().st_size for p in policy_dir.iterdir()) < MAX_SIZE_BYTES
+
+
+def test_config_and_tokenizer_agree_on_special_ids(policy_dir, model, tokenizer):
+    config = json.loads((policy_dir / "config.json").read_text())
+    assert isinstance(config["eos_token_id"], int)
+    assert config["eos_token_id"] == tokenizer.eos_token_id == model.config.eos_token_id
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert config["vocab_size"] == len(tokenizer)
+
+
+def test_tokenizer_round_trips_task_strings(tokenizer):
+    problems = make_problems("test", 20)
+    strings = [p.prompt for p in problems] + [e.worked_response() for e in make_expressions("train", 20)]
+    strings += ["<answer> -12 </answer>", "  a  b\n\n\t", "<answer>1</answer><answer>", "naïve → ok"]
+    for s in strings:
+        ids = tokenizer(s, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == s
+        assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == s
+    # The answer tags are single tokens; ASCII is one token per character.
+    assert len(tokenizer("<answer>87</answer>", add_special_tokens=False)["input_ids"]) == 4
+    assert len(tokenizer("(7 * 4) + 12", add_special_tokens=False)["input_ids"]) == len("(7 * 4) + 12")
+
+
+def test_encode_prompt_adds_nothing(tokenizer):
+    problem = make_problems("test", 1)[0]
+    ids = encode_prompt(tokenizer, problem)
+    assert tokenizer.decode(ids) == problem.prompt
+    assert tokenizer.eos_token_id not in ids and tokenizer.pad_token_id not in ids
+
+
+def test_greedy_accuracy_is_low_but_not_zero(model, tokenizer):
+    torch.manual_seed(0)
+    result = evaluate_model(model, tokenizer, make_problems("test", 50), num_samples=0)
+    assert 0.0 < result["greedy_accuracy"] < 0.5
+    assert result["format"] >= 0.8
