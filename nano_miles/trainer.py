@@ -45,6 +45,7 @@ class Trainer:
         self.max_staleness = cfg.run.max_staleness if cfg.run.mode == "async" else 0
         self.step = 0
         self.version = 0
+        self.update_split_ms: dict[str, float] = {}
         self.trained_ids: set[str] = set()
         self.drops: dict[str, int] = {}
         self.run_dir = cfg.run_dir
@@ -60,6 +61,7 @@ class Trainer:
             stats = self.optimize(groups)
             stats.update_ms = 1000 * self.update_weights(self.step)
             record = {"step": self.step, "version": self.version, "wait_s": wait_s, **stats.as_dict(),
+                      "update_split_ms": self.update_split_ms,
                       "group_ids": [g.group.group_id for g in groups]}
             if self.is_due(self.cfg.trainer.eval_every):
                 self.evaluate_into(record)
@@ -150,17 +152,24 @@ class Trainer:
         return StepStats.from_groups(groups, self.step, out, float(grad_norm))
 
     def update_weights(self, version: int, *, tell_producer: bool = True) -> float:
-        """pause -> push weights tagged `version` -> resume; returns seconds taken."""
-        started = time.perf_counter()
+        """pause -> push weights tagged `version` -> resume; returns seconds taken.
+
+        The split (pause / gather / serialize / apply / resume) is kept in `self.update_split_ms`."""
+        t0 = time.perf_counter()
         if tell_producer:
             self.control.request("pause", mode="abort")
         self.engine.pause("abort")
-        push_weights(self.engine, self.model, version)
+        t1 = time.perf_counter()
+        push = push_weights(self.engine, self.model, version)
+        t2 = time.perf_counter()
         self.engine.resume()
         self.version = version
         if tell_producer:
             self.control.request("resume", version=version)
-        return time.perf_counter() - started
+        t3 = time.perf_counter()
+        self.update_split_ms = {"pause": 1000 * (t1 - t0), "resume": 1000 * (t3 - t2),
+                                **{k[:-2]: 1000 * v for k, v in push.items() if k != "total_s"}}
+        return t3 - t0
 
     def evaluate_into(self, record: dict) -> dict:
         record["eval_accuracy"] = self.evaluator(self.engine)
