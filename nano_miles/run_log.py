@@ -54,12 +54,12 @@ def format_step_line(r: dict, num_steps: int) -> str:
 def summarize(history: list[dict]) -> dict:
     """Early vs late mean reward, held-out accuracy at start / max / end, and the gains."""
     steps = [r for r in history if "reward" in r]
-    evals = [(r["step"], r["eval_accuracy"]) for r in history if "eval_accuracy" in r]
+    evals = [(r["step"], r["eval_accuracy"], r["eval_elapsed_s"]) for r in history if "eval_accuracy" in r]
     window = max(1, len(steps) // 5)
     early = float(np.mean([r["reward"] for r in steps[:window]])) if steps else float("nan")
     late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")
     start_acc = evals[0][1] if evals else float("nan")
-    max_acc = max(a for _, a in evals) if evals else float("nan")
+    max_acc = max(e[1] for e in evals) if evals else float("nan")
     return {
         "num_steps": len(steps),
         "reward_early": early, "reward_late": late, "reward_delta": late - early,
@@ -69,5 +69,5 @@ def summarize(history: list[dict]) -> dict:
         "staleness_max": max((r["staleness_max"] for r in steps), default=0),
         "mean_step_s": float(np.mean([r["step_s"] for r in steps])) if steps else float("nan"),
         "mean_update_ms": float(np.mean([r["update_ms"] for r in steps])) if steps else float("nan"),
-        "evals": evals,
+        "evals": evals,  # [step, held-out accuracy, seconds since training started]
     }

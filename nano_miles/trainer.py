@@ -54,6 +54,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
         self.connect()
+        self.started = time.perf_counter()
         history = [self.evaluate_into({"step": 0})]
         for self.step in range(self.step + 1, self.cfg.trainer.num_steps + 1):
             started = time.perf_counter()
@@ -66,6 +67,7 @@ class Trainer:
             if self.is_due(self.cfg.trainer.eval_every):
                 self.evaluate_into(record)
             record["step_s"] = time.perf_counter() - started
+            record["elapsed_s"] = time.perf_counter() - self.started
             log.info(format_step_line(record, self.cfg.trainer.num_steps))
             self.append_metrics(record)
             history.append(record)
@@ -173,6 +175,7 @@ class Trainer:
 
     def evaluate_into(self, record: dict) -> dict:
         record["eval_accuracy"] = self.evaluator(self.engine)
+        record["eval_elapsed_s"] = time.perf_counter() - self.started
         log.info("held-out accuracy at step %d: %.1f%%", self.step, 100 * record["eval_accuracy"])
         return record
 

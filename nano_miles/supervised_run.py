@@ -1,4 +1,7 @@
-"""Runs the real supervisord.conf in a private run directory: the harness of the pipeline tests."""
+"""Runs the repo's real supervisord.conf in a private run directory, on private endpoints.
+
+Used by the pipeline tests and the bench scripts: `SupervisedRun(run_dir, overrides).start().wait(t)`.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, free_port
+from nano_miles.local_engine.spawn import REPO_ROOT as REPO
+from nano_miles.local_engine.spawn import free_port
 
 
 class SupervisedRun:
