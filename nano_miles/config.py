@@ -33,10 +33,14 @@ class RunConfig:
     seed: int = 0
     mode: str = "sync"               # "sync": on-policy, staleness 0; "async": bounded staleness
     max_staleness: int = 0           # async only: samples older than this many versions are dropped
+    pause_mode: str = "abort"        # engine pause at a weight update: abort (in-flight samples come
+                                     # back partial and are resumed), retract or in_place (kept)
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"run.mode must be 'sync' or 'async', not {self.mode!r}")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ConfigError(f"run.pause_mode must be abort, retract or in_place, not {self.pause_mode!r}")
         if self.max_staleness < 0:
             raise ConfigError("run.max_staleness must be >= 0")
 
@@ -108,6 +112,8 @@ class TrainerConfig:
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
     dual_clip_c: float = 3.0
+    recompute_old_logprobs: bool = False  # pi_old from the trainer (+ truncated IS to the engine's)
+    tis_clip: float = 2.0            # truncation of the importance weight pi_old / pi_engine
     endpoint: str = "tcp://127.0.0.1:5703"          # PULL, bound by the trainer
     device: str = "cpu"
     num_threads: int = 1

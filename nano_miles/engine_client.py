@@ -51,6 +51,29 @@ def parse_output(meta_info: dict, output_ids: list[int]) -> tuple[list[int], lis
     return tokens, logprobs, meta_info["finish_reason"]["type"], meta_info.get("weight_version")
 
 
+def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
+    """The weight version that generated each output token.
+
+    From `weight_versions` spans where the engine reports them (the local engine, SGLang >= 0.5.23);
+    otherwise every token gets `weight_version`, which SGLang 0.5.16 reads when the response is
+    built (exact for requests that did not live through an update, i.e. with abort-mode pauses).
+    Versions must be integers: the pipeline always tags weights with the optimizer step.
+    """
+    spans = meta_info.get("weight_versions")
+    try:
+        if not spans:
+            return [int(meta_info["weight_version"])] * num_tokens
+        versions = []
+        for span in spans:
+            versions += [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"engine reported no integer weight version ({e}); start it with "
+                         "--weight-version 0") from None
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight_versions cover {len(versions)} tokens, expected {num_tokens}")
+    return versions
+
+
 class EngineClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         parts = urlsplit(base_url)

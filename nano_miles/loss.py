@@ -5,6 +5,7 @@ Library module; `tests/test_loss.py` pins its behaviour.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,15 +37,26 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, zeros).sum() / mask.sum().clamp(min=1)
 
 
+def truncated_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                         clip: float) -> torch.Tensor:
+    """min(pi_old / pi_engine, clip) per token (1 off the mask): corrects for sampling with the
+    engine's (possibly older, possibly numerically different) weights when pi_old is recomputed."""
+    zeros = torch.zeros_like(old_logp)
+    log_w = torch.where(mask, old_logp - engine_logp, zeros)
+    return torch.exp(torch.clamp(log_w, max=math.log(clip))).detach()
+
+
 def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, cfg: LossConfig = LossConfig(),
-             engine_logp: torch.Tensor | None = None) -> LossOutput:
+             engine_logp: torch.Tensor | None = None,
+             is_weights: torch.Tensor | None = None) -> LossOutput:
     """Dual-clip PPO over (B, T) token tensors; `mask` is True on response tokens.
 
     rho = exp(clamp(where(mask, logp, old) - old, -20, 20))
     pg  = max(-rho * A, -clamp(rho, 1 - eps, 1 + eps_high) * A), and for A < 0 min(pg, -c * A).
-    `old_logp` is the behaviour policy (the engine's logprobs); `engine_logp` defaults to it and
-    only feeds the parity diagnostic.
+    `old_logp` is the behaviour policy: the engine's logprobs, or the trainer's recomputed ones with
+    `is_weights` (truncated importance sampling) correcting towards the engine's. `engine_logp`
+    defaults to `old_logp` and only feeds the parity diagnostic.
     """
     mask = mask.bool()
     zeros = torch.zeros_like(old_logp)
@@ -59,6 +71,8 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     dual_cap = -cfg.dual_clip_c * adv
     is_dual = (adv < 0) & (pg > dual_cap)
     pg = torch.where(adv < 0, torch.minimum(pg, dual_cap), pg)
+    if is_weights is not None:
+        pg = pg * torch.where(mask, is_weights, torch.ones_like(is_weights))
     loss = masked_mean(pg, mask)
     with torch.no_grad():
         reference = old if engine_logp is None else torch.where(mask, engine_logp, zeros)

@@ -15,6 +15,7 @@ start only once the engine serves version >= n // batch_groups - max_staleness. 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,10 +25,12 @@ import zmq
 
 from nano_miles.channels import ControlServer, make_socket
 from nano_miles.config import Config
-from nano_miles.engine_client import EngineClient, EngineError, parse_output
+from nano_miles.engine_client import EngineClient, EngineError, parse_output, token_versions
 from nano_miles.wire import RolloutGroup, Sample, encode_rollout, make_group_id
 
 log = logging.getLogger("rollout")
+
+MAX_SEGMENTS_PER_SAMPLE = 64  # a sample aborted this often means the engine is stuck in a pause loop
 
 
 @dataclass
@@ -41,6 +44,8 @@ class ProducerState:
     index: int = 0                    # next dataset index to issue
     num_sent: int = 0
     num_failed: int = 0
+    num_generated_tokens: int = 0     # response tokens of every group sent (goodput's denominator)
+    num_resumed_samples: int = 0      # sample segments resubmitted after an abort-mode pause
     inflight: dict[str, Future] = field(default_factory=dict)
 
 
@@ -56,6 +61,7 @@ class RolloutProducer:
         self.prompt_ids = prompt_ids
         self.state = ProducerState()
         self.engine = EngineClient(cfg.engine.url, timeout_s=cfg.engine.request_timeout_s)
+        self.lock = threading.Lock()  # counters written by the generate threads
         self.pool = ThreadPoolExecutor(max_workers=cfg.rollout.max_inflight_groups,
                                        thread_name_prefix="generate")
         self.push = make_socket(ctx, zmq.PUSH, cfg.reward.endpoint, bind=False)
@@ -67,12 +73,12 @@ class RolloutProducer:
     # ------------------------------------------------------------ control commands (idempotent)
     def on_pause(self, mode: str) -> dict:
         self.state.is_paused = True
-        return {"num_inflight": len(self.state.inflight)}
+        return {"num_inflight": len(self.state.inflight), **self.counters()}
 
     def on_resume(self, version: int) -> dict:
         self.state.version = max(self.state.version, version)
         self.state.is_paused = False
-        return {"version": self.state.version}
+        return {"version": self.state.version, **self.counters()}
 
     def on_sync(self, state: dict) -> dict:
         s = self.state
@@ -88,7 +94,12 @@ class RolloutProducer:
         waiting = ("trainer's resume" if s.is_paused else
                    "engine replies" if s.inflight else f"weights of a newer version than {s.version}")
         return {"version": s.version, "is_paused": s.is_paused, "num_issued": s.num_issued,
-                "num_inflight": len(s.inflight), "num_sent": s.num_sent, "waiting_for": waiting}
+                "num_inflight": len(s.inflight), "waiting_for": waiting, **self.counters()}
+
+    def counters(self) -> dict:
+        s = self.state
+        return {"num_sent": s.num_sent, "num_generated_tokens": s.num_generated_tokens,
+                "num_resumed_samples": s.num_resumed_samples, "num_failed": s.num_failed}
 
     # ------------------------------------------------------------ generation
     def next_item(self) -> tuple[str, int]:
@@ -105,17 +116,44 @@ class RolloutProducer:
         self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index)
 
     def generate_group(self, group_id: str, index: int) -> RolloutGroup:
+        """G samples for one prompt; samples cut by an abort-mode pause are resumed (partial rollout).
+
+        A resumed sample continues from `prompt + its tokens so far` with the remaining token
+        budget; each segment keeps the logprobs and versions of the weights that produced it, and
+        nothing is re-tokenized at the seam.
+        """
         r = self.cfg.rollout
         prompt = self.prompt_ids[index]
         started = time.time()
-        params = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-                  "top_p": r.top_p, "top_k": r.top_k}
-        outputs = self.engine.generate([prompt] * r.group_size, params, return_logprob=True)
-        samples = []
-        for out in outputs:
-            tokens, logprobs, finish, version = parse_output(out["meta_info"], out["output_ids"])
-            samples.append(Sample(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
-                                  np.full(len(tokens), int(version), np.int32), finish))
+        tokens: list[list[int]] = [[] for _ in range(r.group_size)]
+        logprobs: list[list[float]] = [[] for _ in range(r.group_size)]
+        versions: list[list[int]] = [[] for _ in range(r.group_size)]
+        finish = [""] * r.group_size
+        pending = list(range(r.group_size))
+        for _ in range(MAX_SEGMENTS_PER_SAMPLE):
+            params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
+                       "top_p": r.top_p, "top_k": r.top_k} for i in pending]
+            outputs = self.engine.generate([prompt + tokens[i] for i in pending], params)
+            still_pending = []
+            for i, out in zip(pending, outputs):
+                seg_tokens, seg_logprobs, reason, _ = parse_output(out["meta_info"], out["output_ids"])
+                tokens[i] += seg_tokens
+                logprobs[i] += seg_logprobs
+                versions[i] += token_versions(out["meta_info"], len(seg_tokens))
+                if reason == "abort" and len(tokens[i]) < r.max_new_tokens:
+                    still_pending.append(i)
+                else:
+                    finish[i] = "length" if reason == "abort" else reason
+            if still_pending:
+                with self.lock:
+                    self.state.num_resumed_samples += len(still_pending)
+            pending = still_pending
+            if not pending:
+                break
+        else:
+            raise EngineError(0, f"samples of {group_id} were aborted {MAX_SEGMENTS_PER_SAMPLE} times")
+        samples = [Sample(np.asarray(tokens[i], np.int32), np.asarray(logprobs[i], np.float32),
+                          np.asarray(versions[i], np.int32), finish[i]) for i in range(r.group_size)]
         return RolloutGroup(group_id, 0, np.asarray(prompt, np.int32), samples,
                             metadata={"label": self.problems[index].answer, "index": index},
                             timestamps={"issued": started, "generated": time.time()})
@@ -136,6 +174,7 @@ class RolloutProducer:
                 continue
             self.push.send(encode_rollout(group))
             self.state.num_sent += 1
+            self.state.num_generated_tokens += group.num_tokens - len(group.prompt_tokens)
 
     def run(self, *, poll_s: float = 0.01) -> None:
         s, r = self.state, self.cfg.rollout

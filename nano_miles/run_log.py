@@ -19,22 +19,33 @@ class StepStats:
     clip_fraction: float
     grad_norm: float
     parity: float             # mean |log pi_trainer - log pi_engine| on response tokens, before the step
+    staleness_min: int
     staleness_max: int
     staleness_mean: float
+    staleness_hist: dict          # staleness -> number of samples
+    version_oldest: int           # oldest weight version a trained token came from
     num_samples: int
     num_tokens: int           # response tokens trained
     update_ms: float = 0.0
+    is_weight_mean: float | None = None     # truncated IS weights (only with recomputed pi_old)
+    is_weight_max: float | None = None
+    is_weight_clipped: float | None = None
 
     @classmethod
     def from_groups(cls, groups, step: int, loss_out, grad_norm: float) -> "StepStats":
         rewards = np.concatenate([g.rewards for g in groups])
         parts = {k: np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups])
                  for k in ("format", "accuracy")}
-        staleness = np.array([(step - 1) - int(s.versions[0]) for g in groups for s in g.group.samples])
+        oldest = np.array([int(s.versions[0]) for g in groups for s in g.group.samples])
+        staleness = (step - 1) - oldest
+        values, counts = np.unique(staleness, return_counts=True)
         return cls(reward=float(rewards.mean()), format=float(parts["format"].mean()),
                    accuracy=float(parts["accuracy"].mean()), pg_loss=float(loss_out.loss.detach()),
                    clip_fraction=loss_out.clip_fraction, grad_norm=grad_norm, parity=loss_out.parity,
-                   staleness_max=int(staleness.max()), staleness_mean=float(staleness.mean()),
+                   staleness_min=int(staleness.min()), staleness_max=int(staleness.max()),
+                   staleness_mean=float(staleness.mean()),
+                   staleness_hist={str(int(v)): int(c) for v, c in zip(values, counts)},
+                   version_oldest=int(oldest.min()),
                    num_samples=len(rewards), num_tokens=loss_out.num_tokens)
 
     def as_dict(self) -> dict:
@@ -45,10 +56,19 @@ def format_step_line(r: dict, num_steps: int) -> str:
     line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} | format {100 * r['format']:5.1f}% "
             f"| acc {100 * r['accuracy']:5.1f}% | pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
             f"| gnorm {r['grad_norm']:.3f} | parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
-            f"| stale {r['staleness_max']} | step {r['step_s']:.2f}s")
+            f"| stale {r['staleness_max']} (v{r['version_oldest']} -> v{r['step'] - 1}) "
+            f"| queue {r.get('queue_depth', 0)} | step {r['step_s']:.2f}s")
     if "eval_accuracy" in r:
         line += f" | held-out {100 * r['eval_accuracy']:.1f}%"
     return line
+
+
+def merge_hists(hists) -> dict:
+    total: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
 def summarize(history: list[dict]) -> dict:
@@ -67,6 +87,9 @@ def summarize(history: list[dict]) -> dict:
         "eval_accuracy_end": evals[-1][1] if evals else float("nan"),
         "eval_accuracy_delta": max_acc - start_acc,
         "staleness_max": max((r["staleness_max"] for r in steps), default=0),
+        "staleness_hist": merge_hists(r["staleness_hist"] for r in steps),
+        "goodput": steps[-1].get("goodput") if steps else None,
+        "drops": steps[-1].get("drops", {}) if steps else {},
         "mean_step_s": float(np.mean([r["step_s"] for r in steps])) if steps else float("nan"),
         "mean_update_ms": float(np.mean([r["update_ms"] for r in steps])) if steps else float("nan"),
         "evals": evals,  # [step, held-out accuracy, seconds since training started]

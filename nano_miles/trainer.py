@@ -21,7 +21,7 @@ from nano_miles.channels import ControlClient, ControlTimeout, make_socket
 from nano_miles.config import Config
 from nano_miles.engine_client import EngineClient
 from nano_miles.grpo import assemble_batch, token_logprobs
-from nano_miles.loss import LossConfig, ppo_loss
+from nano_miles.loss import LossConfig, ppo_loss, truncated_is_weights
 from nano_miles.run_log import StepStats, format_step_line, summarize
 from nano_miles.weight_sync import push_weights
 from nano_miles.wire import ScoredGroup, WireError, decode_scored
@@ -46,6 +46,9 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.update_split_ms: dict[str, float] = {}
+        self.num_received = 0          # groups pulled, trained or not (queue depth = producer sent - this)
+        self.num_trained_tokens = 0    # response tokens trained (goodput's numerator)
+        self.producer: dict = {}       # the producer's counters from its last control reply
         self.trained_ids: set[str] = set()
         self.drops: dict[str, int] = {}
         self.run_dir = cfg.run_dir
@@ -62,12 +65,13 @@ class Trainer:
             stats = self.optimize(groups)
             stats.update_ms = 1000 * self.update_weights(self.step)
             record = {"step": self.step, "version": self.version, "wait_s": wait_s, **stats.as_dict(),
-                      "update_split_ms": self.update_split_ms,
+                      "update_split_ms": self.update_split_ms, **self.flow_stats(),
                       "group_ids": [g.group.group_id for g in groups]}
             if self.is_due(self.cfg.trainer.eval_every):
                 self.evaluate_into(record)
             record["step_s"] = time.perf_counter() - started
             record["elapsed_s"] = time.perf_counter() - self.started
+            record["drops"] = dict(self.drops)
             log.info(format_step_line(record, self.cfg.trainer.num_steps))
             self.append_metrics(record)
             history.append(record)
@@ -117,8 +121,10 @@ class Trainer:
                              len(batch), self.cfg.trainer.batch_groups, waited)
                     last_log = time.perf_counter()
                 continue
+            data = self.pull.recv()
+            self.num_received += 1
             try:
-                scored = decode_scored(self.pull.recv())
+                scored = decode_scored(data)
             except WireError as e:
                 self.count_drop("malformed")
                 log.warning("dropped a malformed message: %s", e)
@@ -143,31 +149,45 @@ class Trainer:
                 advantages.append(float(adv))
         batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id)
         self.model.train()
-        logp = token_logprobs(self.model, batch.input_ids, batch.targets, batch.attention_mask,
-                              self.cfg.rollout.temperature)
-        out = ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, self.loss_cfg)
+        args = (batch.input_ids, batch.targets, batch.attention_mask, self.cfg.rollout.temperature)
+        old_logp, is_weights = batch.old_logprobs, None
+        if self.cfg.trainer.recompute_old_logprobs:
+            with torch.no_grad():
+                old_logp = token_logprobs(self.model, *args)
+            is_weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask,
+                                              self.cfg.trainer.tis_clip)
+        logp = token_logprobs(self.model, *args)
+        out = ppo_loss(logp, old_logp, batch.advantages, batch.loss_mask, self.loss_cfg,
+                       engine_logp=batch.old_logprobs, is_weights=is_weights)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.max_grad_norm)
         self.optimizer.step()
         self.trained_ids.update(sg.group.group_id for sg in groups)
-        return StepStats.from_groups(groups, self.step, out, float(grad_norm))
+        self.num_trained_tokens += out.num_tokens
+        stats = StepStats.from_groups(groups, self.step, out, float(grad_norm))
+        if is_weights is not None:
+            w = is_weights[batch.loss_mask]
+            stats.is_weight_mean, stats.is_weight_max = float(w.mean()), float(w.max())
+            stats.is_weight_clipped = float((w >= self.cfg.trainer.tis_clip - 1e-6).float().mean())
+        return stats
 
     def update_weights(self, version: int, *, tell_producer: bool = True) -> float:
         """pause -> push weights tagged `version` -> resume; returns seconds taken.
 
         The split (pause / gather / serialize / apply / resume) is kept in `self.update_split_ms`."""
         t0 = time.perf_counter()
+        mode = self.cfg.run.pause_mode
         if tell_producer:
-            self.control.request("pause", mode="abort")
-        self.engine.pause("abort")
+            self.control.request("pause", mode=mode)
+        self.engine.pause(mode)
         t1 = time.perf_counter()
         push = push_weights(self.engine, self.model, version)
         t2 = time.perf_counter()
         self.engine.resume()
         self.version = version
         if tell_producer:
-            self.control.request("resume", version=version)
+            self.producer = self.control.request("resume", version=version)
         t3 = time.perf_counter()
         self.update_split_ms = {"pause": 1000 * (t1 - t0), "resume": 1000 * (t3 - t2),
                                 **{k[:-2]: 1000 * v for k, v in push.items() if k != "total_s"}}
@@ -180,12 +200,20 @@ class Trainer:
         return record
 
     # ------------------------------------------------------------------ bookkeeping
+    def flow_stats(self) -> dict:
+        """Queue depth between producer and trainer, and goodput, from the producer's counters."""
+        sent = self.producer.get("num_sent", 0)
+        generated = self.producer.get("num_generated_tokens", 0)
+        return {"queue_depth": sent - self.num_received,
+                "goodput": self.num_trained_tokens / generated if generated else None,
+                "num_resumed_samples": self.producer.get("num_resumed_samples", 0)}
+
     def count_drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
 
     def append_metrics(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps({**record, "drops": dict(self.drops), "time": time.time()}) + "\n")
+            f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
     def checkpoint(self) -> Path:
         """Weights (safetensors) + optimizer + counters, written to a temp dir and renamed."""

@@ -73,3 +73,18 @@ def test_parity_measures_engine_gap():
 def test_config_validation():
     with pytest.raises(AssertionError):
         LossConfig(dual_clip_c=0.5)
+
+
+def test_truncated_is_weights():
+    from nano_miles.loss import truncated_is_weights
+    old = torch.tensor([[-1.0, -1.0, -1.0, 5.0]])
+    engine = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]])
+    mask = torch.tensor([[True, True, True, False]])
+    w = truncated_is_weights(old, engine, mask, clip=2.0)
+    assert w[0, 0].item() == 1.0 and w[0, 1].item() == pytest.approx(2.0)  # e^1 truncated at 2
+    assert w[0, 2].item() == pytest.approx(torch.exp(torch.tensor(-0.5)).item())
+    assert w[0, 3].item() == 1.0  # off the mask: neutral, NaN cannot leak in
+    logp = old.clone()
+    base = ppo_loss(logp, old, torch.ones(1, 4), mask)
+    weighted = ppo_loss(logp, old, torch.ones(1, 4), mask, is_weights=w)
+    assert weighted.loss.item() == pytest.approx(base.loss.item() * w[0, :3].mean().item())

@@ -92,8 +92,8 @@ def generate_response(r: Request) -> dict:
     """One §2.4 response object (meta_info per §2.5, logprob entries per §2.6)."""
     meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.output_ids), "cached_tokens": 0, "reasoning_tokens": 0,
-            "weight_version": r.weight_version, "num_retractions": r.num_retractions,
-            "e2e_latency": r.e2e_latency_s}
+            "weight_version": r.weight_version, "weight_versions": r.version_spans,
+            "num_retractions": r.num_retractions, "e2e_latency": r.e2e_latency_s}
     if r.return_logprob:
         meta["input_token_logprobs"] = r.input_logprobs or []
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]

@@ -43,6 +43,9 @@ class Request:
     input_logprobs: list | None = None  # §2.6 entries, filled by the first prefill
     finish_reason: dict | None = None
     weight_version: str = ""  # version at emission time, as SGLang reports it
+    # [{"version", "start", "end"}] over output-token indices, as SGLang 0.5.23 reports them: a
+    # request kept across a weight update (retract / in_place) spans two versions
+    version_spans: list[dict] = field(default_factory=list)
     e2e_latency_s: float = 0.0
     num_retractions: int = 0
     generator: torch.Generator | None = None
@@ -291,8 +294,13 @@ class Scheduler:
 
     def _append_token(self, r: Request, token: int, logprob: float) -> bool:
         """Record a sampled token; finish the request if it hit a limit. Returns whether it finished."""
+        index = len(r.output_ids)
         r.output_ids.append(token)
         r.output_logprobs.append(logprob)
+        if r.version_spans and r.version_spans[-1]["version"] == self.weight_version:
+            r.version_spans[-1]["end"] = index + 1
+        else:
+            r.version_spans.append({"version": self.weight_version, "start": index, "end": index + 1})
         if len(r.output_ids) >= r.params.max_new_tokens:
             self._finish(r, {"type": "length", "length": r.params.max_new_tokens})
         elif not r.params.ignore_eos and (token in self.eos_token_ids or token in r.params.stop_token_ids):
