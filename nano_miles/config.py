@@ -87,6 +87,7 @@ class RolloutConfig:
     top_k: int = -1
     control_endpoint: str = "tcp://127.0.0.1:5701"   # REP, bound by the rollout producer
     max_inflight_groups: int = 16
+    lease_s: float = 60.0            # a group sent but not trained for this long is issued again
     metrics_port: int = 9101
 
     def __post_init__(self):
@@ -104,9 +105,9 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    num_steps: int = 60
-    batch_groups: int = 8            # groups (prompts) per optimizer step
-    lr: float = 5e-4
+    num_steps: int = 240
+    batch_groups: int = 16           # groups (prompts) per optimizer step
+    lr: float = 1e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     eps_clip: float = 0.2
@@ -117,7 +118,7 @@ class TrainerConfig:
     endpoint: str = "tcp://127.0.0.1:5703"          # PULL, bound by the trainer
     device: str = "cpu"
     num_threads: int = 1
-    eval_every: int = 10             # held-out greedy evaluation every N steps (0 = only at the end)
+    eval_every: int = 20             # held-out greedy evaluation every N steps (0 = only at the end)
     checkpoint_every: int = 20
     control_timeout_s: float = 5.0   # Lazy Pirate: per-try timeout on the control channel
     control_retries: int = 6

@@ -13,7 +13,10 @@ unknown argument keys like unknown keys anywhere else):
                              requests (their groups are re-issued), "retract" frees their KV cache and
                              re-prefills them after resume, "in_place" keeps them where they are
     resume(version)          version >= 0: the weight version the engine now serves
-    commit(step, group_ids)  step >= 0; the ids of the groups trained up to and including that step
+    commit(step, group_ids, dropped_group_ids)
+                             step >= 0; group_ids: the groups trained at that step (now in the
+                             trainer's model); dropped_group_ids: groups the trainer refused since its
+                             last commit (stale, from weights it no longer has): issue them again
     sync(state)              state = {step, version, committed_group_ids, data_cursor: {epoch, index}},
                              the trainer's durable state after a restart on either side
     status()
@@ -101,7 +104,7 @@ def _sync_state(value: object, where: str) -> dict[str, Any]:
 COMMANDS: dict[str, dict[str, Callable[[object, str], Any]]] = {
     "pause": {"mode": _pause_mode},
     "resume": {"version": _count},
-    "commit": {"step": _count, "group_ids": _group_ids},
+    "commit": {"step": _count, "group_ids": _group_ids, "dropped_group_ids": _group_ids},
     "sync": {"state": _sync_state},
     "status": {},
 }

@@ -2,14 +2,14 @@
 
 Run under supervisord as `python procs/rollout.py [--section.key=value ...]`.
 
-It owns the dataset cursor and the in-flight requests; it serves the REP end of the control channel
-and PUSHes finished groups to the reward stage. Nothing is generated before the trainer's first
-`resume(version)`: the trainer decides which weights serve, the producer only follows.
+It owns the dataset cursor (in its `Ledger`) and the in-flight requests; it serves the REP end of the
+control channel and PUSHes finished groups to the reward stage. Nothing is generated before the
+trainer's first `resume(version)`: the trainer decides which weights serve, the producer follows.
 
-The version gate is the whole flow control. Group number n (counting from 0 in issue order) feeds
-training step n // batch_groups + 1, which trains on weights of version (that step - 1); so it may
-start only once the engine serves version >= n // batch_groups - max_staleness. With max_staleness 0
-(sync mode) the rollout of step k starts only after weights k - 1 are in the engine.
+The version gate is the whole flow control. Step k trains batch_groups groups on weights of version
+k - 1, so with `version` served, the groups the model already has plus those on their way may not
+exceed (version + 1 + max_staleness) * batch_groups. With max_staleness 0 (sync mode) the rollout of
+step k starts only after weights k - 1 are in the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,32 +27,32 @@ import zmq
 from nano_miles.channels import ControlServer, make_socket
 from nano_miles.config import Config
 from nano_miles.engine_client import EngineClient, EngineError, parse_output, token_versions
-from nano_miles.wire import RolloutGroup, Sample, encode_rollout, make_group_id
+from nano_miles.ledger import Ledger
+from nano_miles.wire import RolloutGroup, Sample, encode_rollout
 
 log = logging.getLogger("rollout")
 
 MAX_SEGMENTS_PER_SAMPLE = 64  # a sample aborted this often means the engine is stuck in a pause loop
+MAX_OUTBOX = 64               # finished groups held while reward does not take them (backpressure)
+ENGINE_RETRY_S = (0.5, 1, 2, 4, 8)  # backoff between attempts at a group the engine failed
 
 
 @dataclass
 class ProducerState:
-    """What the producer knows; all of it can be rebuilt from the trainer with `sync`."""
+    """Counters and flags; the dataset position and leases live in the ledger."""
 
     version: int = -1                 # weight version the engine serves; -1 = not told yet
     is_paused: bool = True            # paused until the first resume
-    num_issued: int = 0               # groups issued so far (drives the version gate)
-    epoch: int = 0
-    index: int = 0                    # next dataset index to issue
     num_sent: int = 0
-    num_failed: int = 0
+    num_failed: int = 0               # engine failures (each retried)
     num_generated_tokens: int = 0     # response tokens of every group sent (goodput's denominator)
     num_resumed_samples: int = 0      # sample segments resubmitted after an abort-mode pause
     inflight: dict[str, Future] = field(default_factory=dict)
 
 
-def version_allows(num_issued: int, version: int, batch_groups: int, max_staleness: int) -> bool:
-    """May group number `num_issued` start while the engine serves `version`? (see module doc)"""
-    return version >= num_issued // batch_groups - max_staleness
+def version_allows(budget_used: int, version: int, batch_groups: int, max_staleness: int) -> bool:
+    """May one more group start while the engine serves `version`? (see module doc)"""
+    return version >= 0 and budget_used < (version + 1 + max_staleness) * batch_groups
 
 
 class RolloutProducer:
@@ -60,11 +61,14 @@ class RolloutProducer:
         self.problems = problems
         self.prompt_ids = prompt_ids
         self.state = ProducerState()
+        self.ledger = Ledger(len(problems), cfg.rollout.lease_s)
         self.engine = EngineClient(cfg.engine.url, timeout_s=cfg.engine.request_timeout_s)
         self.lock = threading.Lock()  # counters written by the generate threads
         self.pool = ThreadPoolExecutor(max_workers=cfg.rollout.max_inflight_groups,
                                        thread_name_prefix="generate")
-        self.push = make_socket(ctx, zmq.PUSH, cfg.reward.endpoint, bind=False)
+        self.push = make_socket(ctx, zmq.PUSH, cfg.reward.endpoint, bind=False,
+                                hwm_msgs=cfg.rollout.max_inflight_groups)
+        self.outbox: deque[tuple[str, bytes]] = deque()
         self.control = ControlServer(ctx, cfg.rollout.control_endpoint, {
             "pause": self.on_pause, "resume": self.on_resume, "status": self.on_status,
             "sync": self.on_sync, "commit": self.on_commit})
@@ -73,49 +77,52 @@ class RolloutProducer:
     # ------------------------------------------------------------ control commands (idempotent)
     def on_pause(self, mode: str) -> dict:
         self.state.is_paused = True
-        return {"num_inflight": len(self.state.inflight), **self.counters()}
+        return self.counters()
 
     def on_resume(self, version: int) -> dict:
-        self.state.version = max(self.state.version, version)
+        self.state.version = version  # the trainer may go back after a restart: it knows best
         self.state.is_paused = False
         return {"version": self.state.version, **self.counters()}
 
     def on_sync(self, state: dict) -> dict:
-        s = self.state
-        s.version, s.num_issued = state["version"], state["step"] * self.cfg.trainer.batch_groups
-        s.epoch, s.index = state["data_cursor"]["epoch"], state["data_cursor"]["index"]
-        return {"num_issued": s.num_issued}
+        cursor = state["data_cursor"]
+        self.ledger.sync(state["committed_group_ids"], cursor["epoch"] * len(self.problems) + cursor["index"])
+        self.state.version = state["version"]
+        log.info("synced with the trainer: step %d, version %d, %d groups trained, %d to issue again",
+                 state["step"], state["version"], len(self.ledger.trained), self.ledger.num_pending_reissue)
+        return self.counters()
 
-    def on_commit(self, step: int, group_ids: list[str]) -> dict:
-        return {"step": step}
+    def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str]) -> dict:
+        self.ledger.on_trained(group_ids)
+        self.ledger.on_dropped(dropped_group_ids)
+        return self.counters()
 
     def on_status(self) -> dict:
         s = self.state
-        waiting = ("trainer's resume" if s.is_paused else
-                   "engine replies" if s.inflight else f"weights of a newer version than {s.version}")
-        return {"version": s.version, "is_paused": s.is_paused, "num_issued": s.num_issued,
-                "num_inflight": len(s.inflight), "waiting_for": waiting, **self.counters()}
+        if s.is_paused:
+            waiting = "the trainer's resume"
+        elif self.outbox:
+            waiting = f"the reward stage to take {len(self.outbox)} finished groups"
+        elif s.inflight:
+            waiting = f"engine replies for {len(s.inflight)} groups"
+        else:
+            waiting = f"weights newer than version {s.version} (the version gate)"
+        return {"version": s.version, "is_paused": s.is_paused, "waiting_for": waiting,
+                "outstanding_group_ids": sorted(self.ledger.outstanding), **self.counters()}
 
     def counters(self) -> dict:
         s = self.state
         return {"num_sent": s.num_sent, "num_generated_tokens": s.num_generated_tokens,
-                "num_resumed_samples": s.num_resumed_samples, "num_failed": s.num_failed}
+                "num_resumed_samples": s.num_resumed_samples, "num_failed": s.num_failed,
+                "num_reissued": self.ledger.num_reissued, "num_inflight": len(s.inflight),
+                "num_outstanding": len(self.ledger.outstanding)}
 
     # ------------------------------------------------------------ generation
-    def next_item(self) -> tuple[str, int]:
-        s = self.state
-        if s.index >= len(self.problems):
-            s.epoch, s.index = s.epoch + 1, 0
-        item = (make_group_id(s.epoch, s.index), s.index)
-        s.index += 1
-        return item
-
     def issue(self) -> None:
-        group_id, index = self.next_item()
-        self.state.num_issued += 1
-        self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index)
+        group_id, index, attempt = self.ledger.next_group()
+        self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index, attempt)
 
-    def generate_group(self, group_id: str, index: int) -> RolloutGroup:
+    def generate_group(self, group_id: str, index: int, attempt: int = 0) -> RolloutGroup:
         """G samples for one prompt; samples cut by an abort-mode pause are resumed (partial rollout).
 
         A resumed sample continues from `prompt + its tokens so far` with the remaining token
@@ -133,7 +140,7 @@ class RolloutProducer:
         for _ in range(MAX_SEGMENTS_PER_SAMPLE):
             params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
                        "top_p": r.top_p, "top_k": r.top_k} for i in pending]
-            outputs = self.engine.generate([prompt + tokens[i] for i in pending], params)
+            outputs = self.generate_with_retry([prompt + tokens[i] for i in pending], params)
             still_pending = []
             for i, out in zip(pending, outputs):
                 seg_tokens, seg_logprobs, reason, _ = parse_output(out["meta_info"], out["output_ids"])
@@ -154,10 +161,42 @@ class RolloutProducer:
             raise EngineError(0, f"samples of {group_id} were aborted {MAX_SEGMENTS_PER_SAMPLE} times")
         samples = [Sample(np.asarray(tokens[i], np.int32), np.asarray(logprobs[i], np.float32),
                           np.asarray(versions[i], np.int32), finish[i]) for i in range(r.group_size)]
-        return RolloutGroup(group_id, 0, np.asarray(prompt, np.int32), samples,
+        return RolloutGroup(group_id, attempt, np.asarray(prompt, np.int32), samples,
                             metadata={"label": self.problems[index].answer, "index": index},
                             timestamps={"issued": started, "generated": time.time()})
 
+    def generate_with_retry(self, input_ids: list[list[int]], params: list[dict]) -> list[dict]:
+        """/generate, retried with backoff while the engine is down or failing (never dropped).
+
+        After a failure the request waits until the engine serves the expected weights again: a
+        restarted engine comes back with base weights, and the trainer re-pushes the current ones.
+        """
+        for delay_s in (*ENGINE_RETRY_S, None):
+            try:
+                return self.engine.generate(input_ids, params)
+            except (EngineError, OSError) as e:
+                with self.lock:
+                    self.state.num_failed += 1
+                if delay_s is None:
+                    raise
+                log.warning("engine failed a request (%s); retrying in %.1fs", e, delay_s)
+                time.sleep(delay_s)
+                self.wait_for_engine_version()
+        raise AssertionError("unreachable")
+
+    def wait_for_engine_version(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if int(self.engine.model_info()["weight_version"]) >= self.state.version:
+                    return
+            except (EngineError, OSError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        log.warning("engine at %s still not serving version %d after %.0fs", self.cfg.engine.url,
+                    self.state.version, timeout_s)
+
+    # ------------------------------------------------------------ the loop
     def collect(self) -> None:
         for group_id, fut in list(self.state.inflight.items()):
             if not fut.done():
@@ -166,23 +205,45 @@ class RolloutProducer:
             try:
                 group = fut.result()
             except (EngineError, OSError, ValueError) as e:
-                # the engine failed this group: issue the same prompt again rather than lose it
-                self.state.num_failed += 1
-                log.warning("group %s failed (%s); re-issuing", group_id, e)
-                index = int(group_id.split("-i")[1])
-                self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index)
+                # the engine failed this group for good: it goes back in line, nothing is lost
+                log.warning("group %s failed (%s); it will be issued again", group_id, e)
+                self.ledger.on_dropped([group_id])
                 continue
-            self.push.send(encode_rollout(group))
-            self.state.num_sent += 1
+            self.outbox.append((group_id, encode_rollout(group)))
             self.state.num_generated_tokens += group.num_tokens - len(group.prompt_tokens)
 
-    def run(self, *, poll_s: float = 0.01) -> None:
-        s, r = self.state, self.cfg.rollout
+    def flush_outbox(self) -> None:
+        """Hand finished groups to reward without ever blocking the control loop."""
+        while self.outbox:
+            group_id, data = self.outbox[0]
+            try:
+                self.push.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.outbox.popleft()
+            self.ledger.renew(group_id)
+            self.state.num_sent += 1
+
+    def may_issue(self) -> bool:
+        s = self.state
+        return (not s.is_paused and len(s.inflight) < self.cfg.rollout.max_inflight_groups
+                and len(self.outbox) < MAX_OUTBOX
+                and version_allows(self.ledger.budget_used(), s.version, self.cfg.trainer.batch_groups,
+                                   self.max_staleness))
+
+    def run(self, *, poll_s: float = 0.005) -> None:
         log.info("serving control on %s; waiting for the trainer's resume", self.cfg.rollout.control_endpoint)
+        next_expiry_s = 0.0
         while True:
             self.control.poll_once(poll_s)
             self.collect()
-            while (not s.is_paused and len(s.inflight) < r.max_inflight_groups
-                   and version_allows(s.num_issued, s.version, self.cfg.trainer.batch_groups,
-                                      self.max_staleness)):
+            self.flush_outbox()
+            now = time.monotonic()
+            if now >= next_expiry_s and not self.outbox:  # while reward is stuck, leases wait too
+                expired = self.ledger.expire(now, busy=set(self.state.inflight))
+                if expired:
+                    log.warning("lease expired for %d groups (lost downstream?); issuing them again: %s",
+                                len(expired), ", ".join(expired[:8]))
+                next_expiry_s = now + 1.0
+            while self.may_issue():
                 self.issue()

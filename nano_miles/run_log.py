@@ -71,10 +71,35 @@ def merge_hists(hists) -> dict:
     return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
-def summarize(history: list[dict]) -> dict:
+def ledger_report(state, outstanding: list[str], positions) -> dict:
+    """Every prompt of the run: trained once (at which step), or why not. `positions` maps ids to
+    dataset positions (a Ledger); `outstanding` are ids the producer still had out at the end."""
+    trained_at: dict[str, list[int]] = {}
+    for step, ids in state.trained_by_step.items():
+        for group_id in ids:
+            trained_at.setdefault(group_id, []).append(step)
+    unfinished = set(outstanding)
+    num_prompts = max([state.cursor] + [positions.position(g) + 1 for g in unfinished])
+    prompts = {}
+    for position in range(num_prompts):
+        group_id = positions.group_id(position)
+        steps = trained_at.get(group_id, [])
+        if steps:
+            prompts[group_id] = f"trained at step {steps[0]}" + (f" and again at {steps[1:]}" if steps[1:] else "")
+        elif group_id in unfinished:
+            prompts[group_id] = "dropped: still being generated when the run ended"
+        else:
+            prompts[group_id] = "lost"
+    values = list(prompts.values())
+    return {"num_prompts": num_prompts,
+            "num_trained_once": sum(v.startswith("trained") and "again" not in v for v in values),
+            "num_trained_twice": sum("again" in v for v in values),
+            "num_unfinished": sum(v.startswith("dropped") for v in values),
+            "num_lost": values.count("lost"), "prompts": prompts}
+
+
+def summarize(steps: list[dict], evals: list[list]) -> dict:
     """Early vs late mean reward, held-out accuracy at start / max / end, and the gains."""
-    steps = [r for r in history if "reward" in r]
-    evals = [(r["step"], r["eval_accuracy"], r["eval_elapsed_s"]) for r in history if "eval_accuracy" in r]
     window = max(1, len(steps) // 5)
     early = float(np.mean([r["reward"] for r in steps[:window]])) if steps else float("nan")
     late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")

@@ -2,9 +2,10 @@
 
 Run under supervisord as `python procs/trainer.py [--section.key=value ...]`.
 
-The step loop (`Trainer.train`) is the algorithm: pull -> assemble -> loss -> step -> update weights
--> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer, version) and is
-the REQ client of the control channel; it never waits on anything without a timeout.
+The step loop (`Trainer.train`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
+update weights -> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer,
+version, data cursor, which groups each step trained); after a crash it resumes from its newest
+checkpoint, and every group trained after that checkpoint is issued again by the producer.
 """
 
 from __future__ import annotations
@@ -12,24 +13,24 @@ from __future__ import annotations
 import json
 import logging
 import time
-from pathlib import Path
 
 import torch
 import zmq
 
-from nano_miles.channels import ControlClient, ControlTimeout, make_socket
+from nano_miles.channels import make_socket
+from nano_miles.checkpoint import TrainerState, complete_checkpoints, load_checkpoint, save_checkpoint
 from nano_miles.config import Config
-from nano_miles.engine_client import EngineClient
 from nano_miles.grpo import assemble_batch, token_logprobs
+from nano_miles.ledger import Ledger
 from nano_miles.loss import LossConfig, ppo_loss, truncated_is_weights
-from nano_miles.run_log import StepStats, format_step_line, summarize
-from nano_miles.weight_sync import push_weights
+from nano_miles.run_log import StepStats, format_step_line, ledger_report, summarize
+from nano_miles.trainer_link import PipelineLink
 from nano_miles.wire import ScoredGroup, WireError, decode_scored
 
 log = logging.getLogger("trainer")
 
-PULL_TIMEOUT_S = 900.0      # no scored group for this long: something upstream is broken for good
-STARTUP_TIMEOUT_S = 600.0   # engine and producer must answer within this at start
+PULL_TIMEOUT_S = 900.0   # no scored group for this long: something upstream is broken for good
+CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the producer this often
 
 
 class Trainer:
@@ -38,89 +39,123 @@ class Trainer:
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
-        self.engine = EngineClient(cfg.engine.url, timeout_s=cfg.engine.request_timeout_s)
-        self.control = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=t.control_timeout_s,
-                                     retries=t.control_retries)
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
         self.max_staleness = cfg.run.max_staleness if cfg.run.mode == "async" else 0
-        self.step = 0
-        self.version = 0
-        self.update_split_ms: dict[str, float] = {}
-        self.num_received = 0          # groups pulled, trained or not (queue depth = producer sent - this)
-        self.num_trained_tokens = 0    # response tokens trained (goodput's numerator)
-        self.producer: dict = {}       # the producer's counters from its last control reply
+        self.state = TrainerState()
         self.trained_ids: set[str] = set()
+        self.positions = Ledger(cfg.task.num_train, lease_s=1.0)  # only for id <-> dataset position
+        self.link = PipelineLink(cfg, ctx, self.sync_state)
+        self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.drops: dict[str, int] = {}
+        self.num_received = 0              # groups pulled, trained or not
+        self.num_trained_tokens = 0        # response tokens trained (goodput's numerator)
         self.run_dir = cfg.run_dir
         self.metrics_path = self.run_dir / "metrics.jsonl"
 
+    @property
+    def step(self) -> int:
+        return self.state.step
+
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
+        self.resume_from_checkpoint()
         self.connect()
-        self.started = time.perf_counter()
-        history = [self.evaluate_into({"step": 0})]
-        for self.step in range(self.step + 1, self.cfg.trainer.num_steps + 1):
+        self.started = time.perf_counter() - self.state.elapsed_s
+        engine_busy_start = self.link.engine_busy_s()
+        if self.step == 0:
+            self.state.evals.append(self.evaluate())
+        while self.step < self.cfg.trainer.num_steps:
+            self.state.step += 1
             started = time.perf_counter()
             groups, wait_s = self.pull_batch()
             stats = self.optimize(groups)
-            stats.update_ms = 1000 * self.update_weights(self.step)
-            record = {"step": self.step, "version": self.version, "wait_s": wait_s, **stats.as_dict(),
-                      "update_split_ms": self.update_split_ms, **self.flow_stats(),
-                      "group_ids": [g.group.group_id for g in groups]}
+            self.link.request("commit", step=self.step, group_ids=self.state.trained_by_step[self.step],
+                              dropped_group_ids=self.take_dropped())
+            # after the last step the producer is not resumed: nothing more will be trained
+            stats.update_ms = 1000 * self.link.update_weights(
+                self.model, self.step, tell_producer=self.step < self.cfg.trainer.num_steps)
+            self.state.version = self.step
+            record = {"step": self.step, "version": self.state.version, "wait_s": wait_s, **stats.as_dict(),
+                      "update_split_ms": self.link.update_split_ms, **self.flow_stats(),
+                      "group_ids": self.state.trained_by_step[self.step]}
             if self.is_due(self.cfg.trainer.eval_every):
-                self.evaluate_into(record)
+                self.state.evals.append(self.evaluate())
+                record["eval_accuracy"] = self.state.evals[-1][1]
             record["step_s"] = time.perf_counter() - started
-            record["elapsed_s"] = time.perf_counter() - self.started
+            record["elapsed_s"] = self.state.elapsed_s = time.perf_counter() - self.started
             record["drops"] = dict(self.drops)
             log.info(format_step_line(record, self.cfg.trainer.num_steps))
             self.append_metrics(record)
-            history.append(record)
             if self.is_due(self.cfg.trainer.checkpoint_every):
-                self.checkpoint()
-        summary = summarize(history)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info("summary: %s", json.dumps(summary))
-        return summary
+                save_checkpoint(self.run_dir / "checkpoints", self.model, self.optimizer, self.state)
+        return self.finish(engine_busy_start)
 
     def is_due(self, every: int) -> bool:
         return self.step == self.cfg.trainer.num_steps or (every > 0 and self.step % every == 0)
 
-    # ------------------------------------------------------------------ stages of a step
-    def connect(self) -> None:
-        """Handshake: engine healthy, its weights = ours, producer synced and resumed."""
-        self.engine.wait_until_healthy(STARTUP_TIMEOUT_S)
-        self.update_weights(self.version, tell_producer=False)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            try:
-                self.control.request("status")
-                break
-            except ControlTimeout:
-                if time.monotonic() > deadline:
-                    raise
-                log.info("waiting for the rollout producer at %s", self.cfg.rollout.control_endpoint)
-        state = {"step": self.step, "version": self.version, "committed_group_ids": [],
-                 "data_cursor": {"epoch": 0, "index": self.step * self.cfg.trainer.batch_groups}}
-        self.control.request("sync", state=state)
-        self.control.request("resume", version=self.version)
-        log.info("pipeline connected: engine %s, producer %s, version %d", self.cfg.engine.url,
-                 self.cfg.rollout.control_endpoint, self.version)
+    # ------------------------------------------------------------------ start and end
+    def resume_from_checkpoint(self) -> None:
+        checkpoints = complete_checkpoints(self.run_dir / "checkpoints")
+        if checkpoints:
+            self.state = load_checkpoint(checkpoints[-1], self.model, self.optimizer)
+            log.warning("resumed from %s: step %d, %d groups trained", checkpoints[-1].name,
+                        self.step, len(self.state.trained_ids))
+        self.trained_ids = self.state.trained_ids
 
+    def connect(self) -> None:
+        """Handshake: engine healthy and serving our weights, producer synced and resumed."""
+        self.link.engine.wait_until_healthy(600)
+        self.link.update_weights(self.model, self.state.version, tell_producer=False)
+        self.link.request("status")
+        self.link.resync()
+        log.info("pipeline connected: engine %s, producer %s, step %d, version %d", self.cfg.engine.url,
+                 self.cfg.rollout.control_endpoint, self.step, self.state.version)
+
+    def sync_state(self) -> dict:
+        epoch, index = divmod(self.state.cursor, self.cfg.task.num_train)
+        return {"step": self.step, "version": self.state.version,
+                "committed_group_ids": sorted(self.trained_ids),
+                "data_cursor": {"epoch": epoch, "index": index}}
+
+    def finish(self, engine_busy_start: float | None) -> dict:
+        outstanding = self.link.request("status").get("outstanding_group_ids", [])
+        report = ledger_report(self.state, outstanding, self.positions)
+        (self.run_dir / "ledger.json").write_text(json.dumps(report, indent=2))
+        summary = summarize(self.read_metrics(), self.state.evals)
+        wall_s = time.perf_counter() - self.started
+        busy_end = self.link.engine_busy_s()
+        summary.update(wall_s=wall_s, ledger={k: v for k, v in report.items() if k.startswith("num_")},
+                       engine_final_version=self.link.with_engine(
+                           "final check", lambda: self.link.engine.model_info()["weight_version"]),
+                       final_parity=self.final_parity(),
+                       engine_repushes=self.link.num_engine_repushes,
+                       producer_resyncs=self.link.num_producer_resyncs,
+                       trainer_idle_fraction=sum(r["wait_s"] for r in self.read_metrics()) / wall_s,
+                       engine_idle_fraction=(None if busy_end is None or engine_busy_start is None
+                                             else 1 - (busy_end - engine_busy_start) / wall_s))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "evals"}))
+        return summary
+
+    # ------------------------------------------------------------------ stages of a step
     def pull_batch(self) -> tuple[list[ScoredGroup], float]:
-        """Pull until `batch_groups` fresh groups; drop (and count) stale or duplicate ones."""
-        started = time.perf_counter()
+        """Pull until `batch_groups` fresh groups; drop (and count) stale, future or duplicate ones."""
+        started = last_check = time.perf_counter()
         batch: list[ScoredGroup] = []
-        last_log = started
         while len(batch) < self.cfg.trainer.batch_groups:
-            if not self.pull.poll(5000, zmq.POLLIN):
+            if not self.pull.poll(1000, zmq.POLLIN):
                 waited = time.perf_counter() - started
                 if waited > PULL_TIMEOUT_S:
                     raise TimeoutError(f"no scored groups for {waited:.0f}s (have {len(batch)})")
-                if time.perf_counter() - last_log > 30:
-                    log.info("waiting for scored groups from reward: %d/%d after %.0fs",
+                if time.perf_counter() - last_check > CHECK_EVERY_S:
+                    log.info("waiting for scored groups: %d/%d after %.0fs; checking engine and producer",
                              len(batch), self.cfg.trainer.batch_groups, waited)
-                    last_log = time.perf_counter()
+                    self.link.check_peers(self.model, self.state.version)
+                    last_check = time.perf_counter()
                 continue
+            if self.dropped_ids:  # report refusals now: in sync mode their replacements are awaited
+                self.link.request("commit", step=max(0, self.step - 1), group_ids=[],
+                                  dropped_group_ids=self.take_dropped())
             data = self.pull.recv()
             self.num_received += 1
             try:
@@ -130,11 +165,15 @@ class Trainer:
                 log.warning("dropped a malformed message: %s", e)
                 continue
             group = scored.group
-            staleness = (self.step - 1) - group.oldest_version
-            if group.group_id in self.trained_ids or any(g.group.group_id == group.group_id for g in batch):
-                self.count_drop("duplicate")
-            elif staleness > self.max_staleness:
-                self.count_drop("stale")
+            batch_ids = {g.group.group_id for g in batch}
+            newest = max(int(s.versions[-1]) for s in group.samples)
+            self.state.cursor = max(self.state.cursor, self.positions.position(group.group_id) + 1)
+            if group.group_id in self.trained_ids or group.group_id in batch_ids:
+                self.count_drop("duplicate")  # trained already: nothing to re-issue
+            elif newest > self.step - 1:
+                self.count_drop("future_version", group.group_id)  # weights rolled back by a restart
+            elif (self.step - 1) - group.oldest_version > self.max_staleness:
+                self.count_drop("stale", group.group_id)
             else:
                 batch.append(scored)
         return batch, time.perf_counter() - started
@@ -163,7 +202,9 @@ class Trainer:
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.max_grad_norm)
         self.optimizer.step()
-        self.trained_ids.update(sg.group.group_id for sg in groups)
+        ids = [sg.group.group_id for sg in groups]
+        self.state.trained_by_step[self.step] = ids
+        self.trained_ids.update(ids)
         self.num_trained_tokens += out.num_tokens
         stats = StepStats.from_groups(groups, self.step, out, float(grad_norm))
         if is_weights is not None:
@@ -172,56 +213,56 @@ class Trainer:
             stats.is_weight_clipped = float((w >= self.cfg.trainer.tis_clip - 1e-6).float().mean())
         return stats
 
-    def update_weights(self, version: int, *, tell_producer: bool = True) -> float:
-        """pause -> push weights tagged `version` -> resume; returns seconds taken.
+    def evaluate(self) -> list:
+        """[step, held-out greedy accuracy, seconds since training started]."""
+        accuracy = self.link.with_engine("evaluation", lambda: self.evaluator(self.link.engine))
+        log.info("held-out accuracy at step %d: %.1f%%", self.step, 100 * accuracy)
+        return [self.step, accuracy, time.perf_counter() - self.started]
 
-        The split (pause / gather / serialize / apply / resume) is kept in `self.update_split_ms`."""
-        t0 = time.perf_counter()
-        mode = self.cfg.run.pause_mode
-        if tell_producer:
-            self.control.request("pause", mode=mode)
-        self.engine.pause(mode)
-        t1 = time.perf_counter()
-        push = push_weights(self.engine, self.model, version)
-        t2 = time.perf_counter()
-        self.engine.resume()
-        self.version = version
-        if tell_producer:
-            self.producer = self.control.request("resume", version=version)
-        t3 = time.perf_counter()
-        self.update_split_ms = {"pause": 1000 * (t1 - t0), "resume": 1000 * (t3 - t2),
-                                **{k[:-2]: 1000 * v for k, v in push.items() if k != "total_s"}}
-        return t3 - t0
-
-    def evaluate_into(self, record: dict) -> dict:
-        record["eval_accuracy"] = self.evaluator(self.engine)
-        record["eval_elapsed_s"] = time.perf_counter() - self.started
-        log.info("held-out accuracy at step %d: %.1f%%", self.step, 100 * record["eval_accuracy"])
-        return record
+    def final_parity(self) -> float:
+        """max |log p| gap between the engine's prefill scores and this model on one probe sample:
+        the served weights must be exactly the trained ones at the end."""
+        probe = list(range(3, 40))
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            self.model.eval()
+            logits = self.model(torch.tensor([probe], device=device)).logits[0].float().log_softmax(-1)
+        mine = logits[:-1].gather(-1, torch.tensor(probe[1:], device=device)[:, None])[:, 0].cpu()
+        served = self.link.with_engine("final check", lambda: self.link.engine.score(probe[:1], probe[1:]))
+        return float((torch.tensor(served) - mine).abs().max())
 
     # ------------------------------------------------------------------ bookkeeping
     def flow_stats(self) -> dict:
-        """Queue depth between producer and trainer, and goodput, from the producer's counters."""
-        sent = self.producer.get("num_sent", 0)
-        generated = self.producer.get("num_generated_tokens", 0)
-        return {"queue_depth": sent - self.num_received,
-                "goodput": self.num_trained_tokens / generated if generated else None,
-                "num_resumed_samples": self.producer.get("num_resumed_samples", 0)}
+        """Queue depth between producer and trainer, and goodput, from the producer's counters.
 
-    def count_drop(self, reason: str) -> None:
+        Queue depth = groups the producer has sent downstream that are neither trained nor dropped
+        yet (in reward or in the trainer's buffers); it survives restarts of either side."""
+        p = self.link.producer
+        generated = p.get("num_generated_tokens", 0)
+        return {"queue_depth": p.get("num_outstanding", 0) - p.get("num_inflight", 0),
+                "goodput": self.num_trained_tokens / generated if generated else None,
+                "num_resumed_samples": p.get("num_resumed_samples", 0)}
+
+    def count_drop(self, reason: str, group_id: str | None = None) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
+        if group_id is not None:
+            self.dropped_ids.append(group_id)
+
+    def take_dropped(self) -> list[str]:
+        ids = sorted(set(self.dropped_ids) - self.trained_ids)
+        self.dropped_ids = []
+        return ids
 
     def append_metrics(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
-    def checkpoint(self) -> Path:
-        """Weights (safetensors) + optimizer + counters, written to a temp dir and renamed."""
-        final = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        tmp = final.with_name(final.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(tmp)
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "version": self.version,
-                    "trained_ids": sorted(self.trained_ids)}, tmp / "trainer_state.pt")
-        tmp.rename(final)
-        return final
+    def read_metrics(self) -> list[dict]:
+        """One record per step of the surviving history (a restart re-does steps after its checkpoint)."""
+        by_step: dict[int, dict] = {}
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                r = json.loads(line)
+                if r["step"] <= self.step:
+                    by_step[r["step"]] = r
+        return [by_step[k] for k in sorted(by_step)]

@@ -34,7 +34,7 @@ class Counting:
             self.version = version
             return {"version": version}
 
-        def commit(step, group_ids):
+        def commit(step, group_ids, dropped_group_ids):
             self.calls["commit"] += 1
             return {"num_ids": len(group_ids)}
         return {"pause": pause, "resume": resume, "commit": commit}
@@ -54,7 +54,8 @@ def test_repeated_req_id_runs_once_and_gets_the_same_reply(ctx, tmp_path):
     state = Counting()
     server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers())
     req = make_socket(ctx, zmq.REQ, f"ipc://{tmp_path}/c", bind=False)
-    payloads = [encode_request("commit", "same-id", step=3, group_ids=["e0-i1", "e0-i2"]),
+    payloads = [encode_request("commit", "same-id", step=3, group_ids=["e0-i1", "e0-i2"],
+                               dropped_group_ids=[]),
                 encode_request("pause", "p1", mode="abort")]
     replies = []
     for payload in payloads + payloads:

@@ -91,7 +91,7 @@ def test_group_properties_and_ids():
 def test_control_round_trip():
     state = {"step": 3, "version": 3, "committed_group_ids": ["e0-i5"], "data_cursor": {"epoch": 1, "index": 0}}
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
-             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"]}), ("sync", {"state": state}), ("status", {})]
+             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"]}), ("sync", {"state": state}), ("status", {})]
     for cmd, args in cases:
         assert decode_request(encode_request(cmd, "r1", **args)) == ControlRequest(cmd, "r1", args)
     assert decode_reply(encode_reply("r1", "inc", {"n": [1, 2.5, None, {"a": "b"}]})) == \
@@ -238,8 +238,11 @@ def test_encoders_validate():
     ("pause", {}, "args.mode: missing"),
     ("resume", {"version": -1}, "args.version: expected an int >= 0"),
     ("resume", {"version": 1.0}, "args.version: expected an int >= 0"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"]}, r"args.group_ids\[1\]: 'oops' is not of the form"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"]}, "args.group_ids: duplicate group id 'e0-i1'"),
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_group_ids": []},
+     r"args.group_ids\[1\]: 'oops' is not of the form"),
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_group_ids": []},
+     "args.group_ids: duplicate group id 'e0-i1'"),
+    ("commit", {"step": 1, "group_ids": []}, "args.dropped_group_ids: missing"),
     ("sync", {"state": {"step": 1, "version": 1, "committed_group_ids": []}}, "args.state.data_cursor: missing"),
     ("sync", {"state": {"step": 1, "version": 1, "committed_group_ids": [],
                         "data_cursor": {"epoch": 0, "index": "3"}}}, "args.state.data_cursor.index: expected int"),

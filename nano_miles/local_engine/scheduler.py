@@ -75,6 +75,7 @@ class Scheduler:
         self.device = torch.device(device)
         self.max_batch_size_seen = 0
         self.num_forward_steps = 0
+        self.busy_s = 0.0
         self.is_paused = False
         self._cache_kwarg = kv_batch.cache_kwarg_name(model)
         self._cond = threading.Condition()
@@ -146,7 +147,8 @@ class Scheduler:
         with self._cond:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting),
                     "max_batch_size_seen": self.max_batch_size_seen,
-                    "num_forward_steps": self.num_forward_steps, "is_paused": self.is_paused}
+                    "num_forward_steps": self.num_forward_steps, "busy_s": self.busy_s,
+                    "is_paused": self.is_paused}
 
     def stop(self, timeout_s: float = 10.0) -> None:
         with self._cond:
@@ -217,12 +219,14 @@ class Scheduler:
             return taken
 
     def _forward(self, input_ids, mask, position_ids, kv, num_logits: int):
+        started_s = time.perf_counter()
         cache = kv_batch.to_transformers_cache(kv) if kv is not None else kv_batch.DynamicCache()
         with torch.no_grad():
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                              position_ids=position_ids.to(self.device), use_cache=True,
                              logits_to_keep=num_logits, **{self._cache_kwarg: cache})
         self.num_forward_steps += 1
+        self.busy_s += time.perf_counter() - started_s  # model time: idle fraction = 1 - busy / wall
         self.max_batch_size_seen = max(self.max_batch_size_seen, input_ids.shape[0])
         return out.logits.float(), kv_batch.from_transformers_cache(out[self._cache_kwarg])
 

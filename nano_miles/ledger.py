@@ -1,0 +1,124 @@
+"""The producer's ledger: which groups are out, which the trainer has, which must be issued again.
+
+Library module used by the rollout producer; `tests/test_ledger.py` pins its rules.
+
+A group is named by its dataset position (`make_group_id(epoch, index)`), so every re-issue of a
+prompt carries the same id and the trainer can drop duplicates by id. States, as the producer sees
+them:
+
+    fresh (not yet issued) --issue--> outstanding --trainer's commit--> trained
+                 re-issue queue <--lease expired / dropped by the trainer / rolled back--'
+
+The trainer is the only durable party. After either side restarts, `sync` rebuilds this ledger from
+the trainer's state: the ids in its model and the data cursor (one past the furthest group it saw).
+Every id below the cursor that the trainer does not have is issued again, so a group lost in any
+stage's buffers or in a dead process comes back; an id issued twice is trained at most once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nano_miles.wire import make_group_id, parse_group_id
+
+
+@dataclass
+class Lease:
+    attempt: int
+    issued_s: float      # monotonic time of the (re)issue
+
+
+class Ledger:
+    def __init__(self, num_items: int, lease_s: float):
+        assert num_items >= 1 and lease_s > 0
+        self.num_items, self.lease_s = num_items, lease_s
+        self.cursor = 0                       # position (epoch * num_items + index) of the next fresh item
+        self.outstanding: dict[str, Lease] = {}
+        self.trained: set[str] = set()
+        self.reissue: deque[str] = deque()
+        self.attempts: dict[str, int] = {}
+        self.num_reissued = 0
+
+    # ------------------------------------------------------------ positions <-> ids
+    def group_id(self, position: int) -> str:
+        return make_group_id(position // self.num_items, position % self.num_items)
+
+    def position(self, group_id: str) -> int:
+        epoch, index = parse_group_id(group_id)
+        return epoch * self.num_items + index
+
+    # ------------------------------------------------------------ issuing
+    def next_group(self, now_s: float | None = None) -> tuple[str, int, int]:
+        """(group id, dataset index, attempt) of the next group to issue: re-issues first."""
+        now_s = time.monotonic() if now_s is None else now_s
+        while self.reissue:
+            group_id = self.reissue.popleft()
+            if group_id not in self.trained and group_id not in self.outstanding:
+                break
+        else:
+            group_id = self.group_id(self.cursor)
+            self.cursor += 1
+        attempt = self.attempts.get(group_id, -1) + 1
+        self.attempts[group_id] = attempt
+        self.outstanding[group_id] = Lease(attempt, now_s)
+        return group_id, self.position(group_id) % self.num_items, attempt
+
+    @property
+    def num_pending_reissue(self) -> int:
+        return len(self.reissue)
+
+    def _queue_again(self, group_id: str) -> None:
+        self.outstanding.pop(group_id, None)
+        if group_id not in self.trained and group_id not in self.reissue:
+            self.reissue.append(group_id)
+            self.num_reissued += 1
+
+    # ------------------------------------------------------------ what the trainer tells us
+    def on_trained(self, group_ids: list[str]) -> None:
+        for group_id in group_ids:
+            self.outstanding.pop(group_id, None)
+            self.trained.add(group_id)
+
+    def on_dropped(self, group_ids: list[str]) -> None:
+        """The trainer refused these (stale, from future weights, malformed...): issue them again."""
+        for group_id in group_ids:
+            self._queue_again(group_id)
+
+    def renew(self, group_id: str, now_s: float | None = None) -> None:
+        """Restart a lease (when the group leaves the producer: downstream time is what it bounds)."""
+        if group_id in self.outstanding:
+            self.outstanding[group_id].issued_s = time.monotonic() if now_s is None else now_s
+
+    def expire(self, now_s: float | None = None, busy: frozenset | set = frozenset()) -> list[str]:
+        """Outstanding groups whose lease ran out (lost in a dead stage's buffers) go back in line;
+        `busy` ids are still being generated here and keep their lease."""
+        now_s = time.monotonic() if now_s is None else now_s
+        expired = [g for g, lease in self.outstanding.items()
+                   if g not in busy and now_s - lease.issued_s > self.lease_s]
+        for group_id in expired:
+            self._queue_again(group_id)
+        return expired
+
+    def sync(self, trained_ids: list[str], cursor: int) -> None:
+        """Adopt the trainer's truth: `trained_ids` are in its model, it saw nothing at or past `cursor`."""
+        trained = set(trained_ids)
+        for group_id in self.trained - trained:       # trained, then lost with a trainer restart
+            self._queue_again_after_rollback(group_id)
+        self.trained = trained
+        if cursor > self.cursor:
+            self.cursor = cursor
+        # every id below the cursor that is neither trained nor out is a hole: issue it again
+        for position in range(self.cursor):
+            group_id = self.group_id(position)
+            if group_id not in trained and group_id not in self.outstanding:
+                self._queue_again(group_id)
+
+    def _queue_again_after_rollback(self, group_id: str) -> None:
+        self.trained.discard(group_id)
+        self._queue_again(group_id)
+
+    def budget_used(self) -> int:
+        """Groups that count against the version gate: in the model or on their way to it."""
+        return len(self.trained) + len(self.outstanding)
