@@ -25,6 +25,7 @@ import zmq
 from nano_miles.channels import ControlServer, make_socket
 from nano_miles.config import Config
 from nano_miles.engine_client import EngineClient, EngineError, parse_output
+from nano_miles.metrics import RolloutMetrics
 from nano_miles.wire import RolloutGroup, Sample, encode_rollout, make_group_id
 
 log = logging.getLogger("rollout")
@@ -63,6 +64,7 @@ class RolloutProducer:
             "pause": self.on_pause, "resume": self.on_resume, "status": self.on_status,
             "sync": self.on_sync, "commit": self.on_commit})
         self.max_staleness = cfg.run.max_staleness if cfg.run.mode == "async" else 0
+        self.metrics = RolloutMetrics(cfg, self.state)
 
     # ------------------------------------------------------------ control commands (idempotent)
     def on_pause(self, mode: str) -> dict:
@@ -102,6 +104,7 @@ class RolloutProducer:
     def issue(self) -> None:
         group_id, index = self.next_item()
         self.state.num_issued += 1
+        self.metrics.issued()
         self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index)
 
     def generate_group(self, group_id: str, index: int) -> RolloutGroup:
@@ -130,12 +133,14 @@ class RolloutProducer:
             except (EngineError, OSError, ValueError) as e:
                 # the engine failed this group: issue the same prompt again rather than lose it
                 self.state.num_failed += 1
+                self.metrics.engine_failures.inc()
                 log.warning("group %s failed (%s); re-issuing", group_id, e)
                 index = int(group_id.split("-i")[1])
                 self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index)
                 continue
             self.push.send(encode_rollout(group))
             self.state.num_sent += 1
+            self.metrics.sent(group)
 
     def run(self, *, poll_s: float = 0.01) -> None:
         s, r = self.state, self.cfg.rollout

@@ -22,6 +22,7 @@ from nano_miles.config import Config
 from nano_miles.engine_client import EngineClient
 from nano_miles.grpo import assemble_batch, token_logprobs
 from nano_miles.loss import LossConfig, ppo_loss
+from nano_miles.metrics import TrainerMetrics
 from nano_miles.run_log import StepStats, format_step_line, summarize
 from nano_miles.weight_sync import push_weights
 from nano_miles.wire import ScoredGroup, WireError, decode_scored
@@ -50,6 +51,7 @@ class Trainer:
         self.drops: dict[str, int] = {}
         self.run_dir = cfg.run_dir
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics = TrainerMetrics(cfg, self)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -69,6 +71,7 @@ class Trainer:
             record["step_s"] = time.perf_counter() - started
             record["elapsed_s"] = time.perf_counter() - self.started
             log.info(format_step_line(record, self.cfg.trainer.num_steps))
+            self.metrics.step_done(record)
             self.append_metrics(record)
             history.append(record)
             if self.is_due(self.cfg.trainer.checkpoint_every):
@@ -76,6 +79,7 @@ class Trainer:
         summary = summarize(history)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps(summary))
+        self.metrics.finish()
         return summary
 
     def is_due(self, every: int) -> bool:
@@ -123,6 +127,7 @@ class Trainer:
                 self.count_drop("malformed")
                 log.warning("dropped a malformed message: %s", e)
                 continue
+            self.metrics.received(scored)
             group = scored.group
             staleness = (self.step - 1) - group.oldest_version
             if group.group_id in self.trained_ids or any(g.group.group_id == group.group_id for g in batch):
@@ -130,6 +135,7 @@ class Trainer:
             elif staleness > self.max_staleness:
                 self.count_drop("stale")
             else:
+                self.metrics.staleness.observe(staleness)
                 batch.append(scored)
         return batch, time.perf_counter() - started
 
@@ -182,6 +188,7 @@ class Trainer:
     # ------------------------------------------------------------------ bookkeeping
     def count_drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.metrics.drops.labels(reason).inc()
 
     def append_metrics(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
