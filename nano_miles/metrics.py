@@ -176,8 +176,10 @@ class TrainerMetrics(StageMetrics):
                                     time.time()))
 
     def step_phases(self, record: dict) -> dict[str, float]:
-        """Split the pull into generate (first issue to last generated), score (to last received),
-        and waiting (the rest); train is what remains of the step after pull, update and eval."""
+        """Split the pull into generate (first issue to last generated), score (last generated to
+        last received: the producer's pick-up, both hops and the reward function) and waiting (the
+        rest); train is what remains of the step after pull, update and eval. In async mode groups
+        are generated before the pull starts, so generate is ~0 there: the trainer did not wait."""
         step_s, wait_s = record["step_s"], record["wait_s"]
         update_s, eval_s = record["update_ms"] / 1000, self.eval_s
         pull_start = time.time() - step_s
