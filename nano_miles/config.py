@@ -130,6 +130,14 @@ class TrainerConfig:
 
 
 @dataclass
+class MetricsConfig:
+    tensorboard: bool = False        # step scalars as TensorBoard events in <run dir>/tensorboard
+    wandb_project: str = ""          # step scalars to Weights & Biases under this project; "" = off
+    plots: bool = True               # PNG plots into the run dir at the end (needs matplotlib)
+    queue_sample_s: float = 1.0      # trainer samples queue depths into queues.jsonl this often; 0 = never
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -138,6 +146,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -24,6 +24,7 @@ def engine_command(cfg: Config) -> list[str]:
     dtype = "bfloat16" if e.dtype == "bfloat16" else "float32"
     return [sys.executable, "-m", "sglang.launch_server", *common,
             "--skip-tokenizer-init",                      # token ids in and out, never text
+            "--enable-metrics",                           # Prometheus /metrics on the same port
             "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
             "--dtype", dtype, "--random-seed", str(cfg.run.seed)]
 

@@ -16,6 +16,7 @@ import zmq
 from nano_miles.channels import make_socket
 from nano_miles.config import Config
 from nano_miles.grpo import group_advantages
+from nano_miles.metrics import RewardMetrics
 from nano_miles.wire import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 
 log = logging.getLogger("reward")
@@ -47,17 +48,22 @@ class RewardStage:
         self.push = make_socket(ctx, zmq.PUSH, cfg.trainer.endpoint, bind=False)
         self.reward_fn, self.decode = reward_fn, decode
         self.num_received = self.num_sent = self.num_rejected = 0
+        self.metrics = RewardMetrics(cfg)
 
     def handle(self, data: bytes) -> None:
         try:
             group = decode_rollout(data)
         except WireError as e:
             self.num_rejected += 1
+            self.metrics.rejected.inc()
             log.warning("rejected a message: %s", e)
             return
         self.num_received += 1
-        self.push.send(encode_scored(score_group(group, self.reward_fn, self.decode)))
+        self.metrics.received(group)
+        scored = score_group(group, self.reward_fn, self.decode)
+        self.push.send(encode_scored(scored))
         self.num_sent += 1
+        self.metrics.sent(scored)
 
     def run(self) -> None:
         log.info("scoring groups from %s", self.pull.getsockopt_string(zmq.LAST_ENDPOINT))

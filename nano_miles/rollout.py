@@ -28,6 +28,7 @@ from nano_miles.channels import ControlServer, make_socket
 from nano_miles.config import Config
 from nano_miles.engine_client import EngineClient, EngineError, parse_output, token_versions
 from nano_miles.ledger import Ledger
+from nano_miles.metrics import RolloutMetrics
 from nano_miles.wire import RolloutGroup, Sample, encode_rollout
 
 log = logging.getLogger("rollout")
@@ -68,11 +69,12 @@ class RolloutProducer:
                                        thread_name_prefix="generate")
         self.push = make_socket(ctx, zmq.PUSH, cfg.reward.endpoint, bind=False,
                                 hwm_msgs=cfg.rollout.max_inflight_groups)
-        self.outbox: deque[tuple[str, bytes]] = deque()
+        self.outbox: deque[tuple[RolloutGroup, bytes]] = deque()
         self.control = ControlServer(ctx, cfg.rollout.control_endpoint, {
             "pause": self.on_pause, "resume": self.on_resume, "status": self.on_status,
             "sync": self.on_sync, "commit": self.on_commit})
         self.max_staleness = cfg.run.max_staleness if cfg.run.mode == "async" else 0
+        self.metrics = RolloutMetrics(cfg, self.state)
 
     # ------------------------------------------------------------ control commands (idempotent)
     def on_pause(self, mode: str) -> dict:
@@ -120,6 +122,7 @@ class RolloutProducer:
     # ------------------------------------------------------------ generation
     def issue(self) -> None:
         group_id, index, attempt = self.ledger.next_group()
+        self.metrics.issued()
         self.state.inflight[group_id] = self.pool.submit(self.generate_group, group_id, index, attempt)
 
     def generate_group(self, group_id: str, index: int, attempt: int = 0) -> RolloutGroup:
@@ -177,6 +180,7 @@ class RolloutProducer:
             except (EngineError, OSError) as e:
                 with self.lock:
                     self.state.num_failed += 1
+                self.metrics.engine_failures.inc()
                 if delay_s is None:
                     raise
                 log.warning("engine failed a request (%s); retrying in %.1fs", e, delay_s)
@@ -209,20 +213,21 @@ class RolloutProducer:
                 log.warning("group %s failed (%s); it will be issued again", group_id, e)
                 self.ledger.on_dropped([group_id])
                 continue
-            self.outbox.append((group_id, encode_rollout(group)))
+            self.outbox.append((group, encode_rollout(group)))
             self.state.num_generated_tokens += group.num_tokens - len(group.prompt_tokens)
 
     def flush_outbox(self) -> None:
         """Hand finished groups to reward without ever blocking the control loop."""
         while self.outbox:
-            group_id, data = self.outbox[0]
+            group, data = self.outbox[0]
             try:
                 self.push.send(data, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.outbox.popleft()
-            self.ledger.renew(group_id)
+            self.ledger.renew(group.group_id)
             self.state.num_sent += 1
+            self.metrics.sent(group)
 
     def may_issue(self) -> bool:
         s = self.state

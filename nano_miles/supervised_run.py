@@ -33,10 +33,13 @@ class SupervisedRun:
         endpoints = [f"--engine.port={free_port()}",
                      f"--rollout.control_endpoint=ipc://{run_dir}/control.sock",
                      f"--reward.endpoint=ipc://{run_dir}/reward.sock",
-                     f"--trainer.endpoint=ipc://{run_dir}/trainer.sock"]
+                     f"--trainer.endpoint=ipc://{run_dir}/trainer.sock",
+                     f"--rollout.metrics_port={free_port()}", f"--reward.metrics_port={free_port()}",
+                     f"--trainer.metrics_port={free_port()}"]
+        self.overrides = endpoints + overrides  # what every stage of this run reads
         self.env = {**os.environ,
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                    "NANOMILES_OVERRIDES": " ".join(endpoints + overrides)}
+                    "NANOMILES_OVERRIDES": " ".join(self.overrides)}
         self.proc: subprocess.Popen | None = None
         self.output = run_dir / "supervisord.out"
 

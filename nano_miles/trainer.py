@@ -23,6 +23,7 @@ from nano_miles.config import Config
 from nano_miles.grpo import assemble_batch, token_logprobs
 from nano_miles.ledger import Ledger
 from nano_miles.loss import LossConfig, ppo_loss, truncated_is_weights
+from nano_miles.metrics import TrainerMetrics
 from nano_miles.run_log import StepStats, format_step_line, ledger_report, summarize
 from nano_miles.trainer_link import PipelineLink
 from nano_miles.wire import ScoredGroup, WireError, decode_scored
@@ -51,10 +52,15 @@ class Trainer:
         self.num_trained_tokens = 0        # response tokens trained (goodput's numerator)
         self.run_dir = cfg.run_dir
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics = TrainerMetrics(cfg, self)
 
     @property
     def step(self) -> int:
         return self.state.step
+
+    @property
+    def version(self) -> int:
+        return self.state.version
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -85,6 +91,7 @@ class Trainer:
             record["elapsed_s"] = self.state.elapsed_s = time.perf_counter() - self.started
             record["drops"] = dict(self.drops)
             log.info(format_step_line(record, self.cfg.trainer.num_steps))
+            self.metrics.step_done(record)
             self.append_metrics(record)
             if self.is_due(self.cfg.trainer.checkpoint_every):
                 save_checkpoint(self.run_dir / "checkpoints", self.model, self.optimizer, self.state)
@@ -135,6 +142,7 @@ class Trainer:
                                              else 1 - (busy_end - engine_busy_start) / wall_s))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "evals"}))
+        self.metrics.finish()
         return summary
 
     # ------------------------------------------------------------------ stages of a step
@@ -164,17 +172,20 @@ class Trainer:
                 self.count_drop("malformed")
                 log.warning("dropped a malformed message: %s", e)
                 continue
+            self.metrics.received(scored)
             group = scored.group
             batch_ids = {g.group.group_id for g in batch}
             newest = max(int(s.versions[-1]) for s in group.samples)
+            staleness = (self.step - 1) - group.oldest_version
             self.state.cursor = max(self.state.cursor, self.positions.position(group.group_id) + 1)
             if group.group_id in self.trained_ids or group.group_id in batch_ids:
                 self.count_drop("duplicate")  # trained already: nothing to re-issue
             elif newest > self.step - 1:
                 self.count_drop("future_version", group.group_id)  # weights rolled back by a restart
-            elif (self.step - 1) - group.oldest_version > self.max_staleness:
+            elif staleness > self.max_staleness:
                 self.count_drop("stale", group.group_id)
             else:
+                self.metrics.staleness.observe(staleness)
                 batch.append(scored)
         return batch, time.perf_counter() - started
 
@@ -245,6 +256,7 @@ class Trainer:
 
     def count_drop(self, reason: str, group_id: str | None = None) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.metrics.drops.labels(reason).inc()
         if group_id is not None:
             self.dropped_ids.append(group_id)
 

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     from nano_miles.local_engine import ENGINE_VERSION
     from nano_miles.local_engine.scheduler import Scheduler
     from nano_miles.local_engine.server import EngineHTTPServer, EngineState
+    from nano_miles.metrics import EngineMetrics
 
     num_threads = args.num_threads or (1 if args.device == "cpu" else None)
     if num_threads:
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
                         architectures=list(model.config.architectures or [type(model).__name__]),
                         vocab_size=model.get_input_embeddings().num_embeddings,
                         context_len=getattr(config, "max_position_embeddings", None) or 1 << 20,
-                        device=args.device, dtype=args.dtype, host=args.host, port=args.port)
+                        device=args.device, dtype=args.dtype, host=args.host, port=args.port,
+                        metrics=EngineMetrics(scheduler))
     if not is_loopback(args.host):
         log.warning("binding %s: the engine has no authentication; anyone who can reach this port can "
                     "generate and replace the weights", args.host)

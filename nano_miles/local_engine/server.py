@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from nano_miles.local_engine import ENGINE_VERSION
 from nano_miles.local_engine.protocol import generate_response, parse_generate
 from nano_miles.local_engine.sampling import SamplingParams
+from nano_miles.metrics import EngineMetrics
 from nano_miles.local_engine.scheduler import PAUSE_MODES, Request, Scheduler, SchedulerStopped
 from nano_miles.weight_sync import apply_weight_update, load_weights_from_disk
 
@@ -41,6 +42,7 @@ class EngineState:
     dtype: str
     host: str
     port: int
+    metrics: EngineMetrics | None = None  # Prometheus metrics served on GET /metrics
 
 
 class EngineHTTPServer(ThreadingHTTPServer):
@@ -131,6 +133,7 @@ class EngineHandler(BaseHTTPRequestHandler):
             for r in reqs:
                 state.scheduler.wait(r)
             outputs = [generate_response(r) for r in reqs]
+            state.metrics.count_generated(reqs)
             self._json(200, outputs if is_batch else outputs[0])
         finally:
             state.scheduler.release(reqs)
@@ -165,6 +168,9 @@ class EngineHandler(BaseHTTPRequestHandler):
                          "device": state.device, "dtype": state.dtype, "context_length": state.context_len,
                          "max_running_requests": state.scheduler.max_running_requests,
                          "skip_tokenizer_init": True, "internal_states": [state.scheduler.stats()]})
+
+    def metrics(self):
+        self._send(200, self.server.state.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
 
     def flush_cache(self):
         self._body()
@@ -244,6 +250,7 @@ ROUTES = {
     ("GET", "/get_model_info"): EngineHandler.model_info,
     ("GET", "/server_info"): EngineHandler.server_info,
     ("GET", "/get_server_info"): EngineHandler.server_info,
+    ("GET", "/metrics"): EngineHandler.metrics,
     ("GET", "/flush_cache"): EngineHandler.flush_cache,
     ("POST", "/flush_cache"): EngineHandler.flush_cache,
     ("POST", "/pause_generation"): EngineHandler.pause_generation,
