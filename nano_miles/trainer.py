@@ -141,7 +141,7 @@ class Trainer:
                 responses.append(sample.response_tokens)
                 logprobs.append(sample.logprobs)
                 advantages.append(float(adv))
-        batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id)
+        batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id).to(self.cfg.trainer.device)
         self.model.train()
         logp = token_logprobs(self.model, batch.input_ids, batch.targets, batch.attention_mask,
                               self.cfg.rollout.temperature)
