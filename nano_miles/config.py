@@ -59,6 +59,7 @@ class EngineConfig:
     dtype: str = "float32"
     num_threads: int = 1             # torch threads of the local engine
     mem_fraction_static: float = 0.5 # sglang: share of GPU memory for weights + KV (trainer needs the rest)
+    extra_args: str = ""             # sglang: more server flags, shell-split (e.g. "--attention-backend triton")
     request_timeout_s: float = 300.0
 
     def __post_init__(self):

@@ -175,6 +175,12 @@ class EngineClient:
     def server_info(self) -> dict:
         return self._call("GET", "/server_info")
 
+    def begin_weight_update(self) -> dict:
+        return self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict:
+        return self._call("POST", "/end_weight_update", {})
+
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
         result = self._call("POST", "/update_weights_from_disk",
                             {"model_path": model_path, "weight_version": weight_version})

@@ -8,9 +8,12 @@ The process replaces itself (exec) with the engine, so supervisord's signals rea
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from nano_miles.config import REPO_ROOT, Config, ConfigError, config_from_argv
+
+FLAT_LOADER = "nano_miles.flat_sync.load_flat"  # imported by SGLang's scheduler by this dotted name
 
 
 def engine_command(cfg: Config) -> list[str]:
@@ -26,7 +29,10 @@ def engine_command(cfg: Config) -> list[str]:
             "--skip-tokenizer-init",                      # token ids in and out, never text
             "--enable-metrics",                           # Prometheus /metrics on the same port
             "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
-            "--dtype", dtype, "--random-seed", str(cfg.run.seed)]
+            "--dtype", dtype, "--random-seed", str(cfg.run.seed),
+            # lets the trainer update weights through one mapped buffer (nano_miles/flat_sync.py)
+            "--custom-weight-loader", FLAT_LOADER,
+            *shlex.split(e.extra_args)]
 
 
 def main(argv: list[str]) -> int:
@@ -42,6 +48,9 @@ def main(argv: list[str]) -> int:
     if "--print" in rest:
         print(" ".join(cmd))
         return 0
+    if cfg.engine.kind == "sglang":  # SGLang's scheduler processes import the loader from the repo
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     os.execv(cmd[0], cmd)
 
 

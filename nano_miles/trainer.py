@@ -197,7 +197,7 @@ class Trainer:
                 responses.append(sample.response_tokens)
                 logprobs.append(sample.logprobs)
                 advantages.append(float(adv))
-        batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id)
+        batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id).to(self.cfg.trainer.device)
         self.model.train()
         args = (batch.input_ids, batch.targets, batch.attention_mask, self.cfg.rollout.temperature)
         old_logp, is_weights = batch.old_logprobs, None

@@ -24,6 +24,7 @@ import base64
 import binascii
 import io
 import pickle
+import re
 import time
 from collections.abc import Iterable
 
@@ -209,13 +210,32 @@ def _buckets(named: list[tuple[str, torch.Tensor]], max_bucket_bytes: int):
         yield bucket
 
 
+def uses_update_sessions(client) -> bool:
+    """Whether this SGLang server wants /begin_weight_update ... /end_weight_update around tensor
+    updates: newer servers refuse a tensor update outside such a session; 0.5.16 has no such routes
+    (404). Asked once per client, from /server_info's version."""
+    cached = getattr(client, "is_session_api", None)
+    if cached is None:
+        version = str(client.server_info().get("version", "0"))
+        parts = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+        cached = client.is_session_api = parts >= (0, 5, 23)
+    return cached
+
+
 def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int) -> dict[str, float]:
-    """CUDA-IPC path through SGLang's serializer (GPU only; needs `sglang` importable)."""
+    """CUDA-IPC path through SGLang's serializer (GPU only; needs `sglang` importable).
+
+    One fresh `FlattenedTensorBucket` per bucket: the server answers once the copies out of it are
+    enqueued, so a buffer that was sent is never written again; its handle is dropped only after the
+    answer, and torch keeps the memory until the engine has released its mapping."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     monkey_patch_torch_reductions()  # device index travels as GPU UUID: engine and trainer may differ
+    is_session = uses_update_sessions(client)
+    if is_session:
+        client.begin_weight_update()
     times = {"gather_s": 0.0, "serialize_s": 0.0, "apply_s": 0.0}
     buckets = list(_buckets(named, max_bucket_bytes))
     for i, bucket in enumerate(buckets):
@@ -231,10 +251,12 @@ def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int) -> di
             [serialized], load_format="flattened_bucket", flush_cache=is_last,
             weight_version=str(version) if is_last else None)
         t3 = time.perf_counter()
-        del payload, flat  # the handle may be released only after the engine answered
+        del payload, flat
         times["gather_s"] += t1 - t0
         times["serialize_s"] += t2 - t1
         times["apply_s"] += t3 - t2
-    torch.cuda.ipc_collect()
+    if is_session:
+        client.end_weight_update()
+    torch.cuda.ipc_collect()  # free sent buffers whose engine-side mappings are closed
     times["total_s"] = sum(times.values())
     return times

@@ -1,0 +1,181 @@
+"""GPU weight hot-update into SGLang at the Qwen2.5-0.5B shape: stock CUDA-IPC buckets vs the flat path vs disk.
+
+Run on a GPU host with sglang: python bench/weight_sync_gpu.py [--repeats 12] [--out bench/results/gpu]
+
+One SGLang server serves a random-init bf16 model of the Qwen2.5-0.5B-Instruct shape (no download);
+this process plays the trainer, with the same model on the same GPU. Each round pushes the full
+weights through every path, one after the other, so machine noise hits all alike:
+
+* bucket-1: SGLang's stock path, one `FlattenedTensorBucket` of everything (`load_format="flattened_bucket"`)
+* bucket-512MiB: the same in 512 MiB buckets, what `weight_sync.push_weights` sends by default
+* flat: `nano_miles.flat_sync`, a persistent trainer-owned buffer the engine maps once
+* one-tensor: a bucket holding one small tensor, the fixed cost of an update call
+* disk: `save_pretrained` + `/update_weights_from_disk`
+
+Prints a table of medians (with the client-side split gather / serialize / apply) and writes
+weight_sync_gpu.json (and a PNG when matplotlib is present) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Qwen2.5-0.5B-Instruct's config.json, the values that set the tensors' shapes.
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, eos_token_id=151645,
+                  bos_token_id=151643)
+PATHS = ["bucket-1", "bucket-512MiB", "flat", "one-tensor", "disk"]
+TARGET_MS = 8.0
+
+
+def make_model(root: Path):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16).eval()
+    model_dir = root / "qwen2.5-0.5b-shape"
+    model.save_pretrained(model_dir)
+    return model, model_dir
+
+
+def push_one_tensor(client, name, tensor, version):
+    """A bucket holding one tensor: what every update call costs regardless of its size."""
+    from nano_miles.weight_sync import _push_cuda_buckets
+    return _push_cuda_buckets(client, [(name, tensor)], version, 1 << 40)
+
+
+def measure(repeats: int, root: Path, log_dir: Path) -> dict:
+    import torch
+
+    from nano_miles.engine_client import EngineClient
+    from nano_miles.flat_sync import FlatWeightPusher
+    from nano_miles.sglang_spawn import start_sglang, stop_sglang
+    from nano_miles.weight_sync import _push_cuda_buckets, trainable_named_tensors
+
+    model, model_dir = make_model(root)
+    named = trainable_named_tensors(model)
+    params = [t for _, t in named]
+    num_params = sum(p.numel() for p in params)
+    started = time.perf_counter()
+    proc, url = start_sglang(model_dir, log_dir / "sglang.log")
+    start_s = time.perf_counter() - started
+    print(f"SGLang up in {start_s:.0f}s; {num_params / 1e6:.0f}M params, {len(named)} tensors", flush=True)
+    client = EngineClient(url)
+    pusher = FlatWeightPusher(model)
+    ckpt = root / "ckpt"
+    version = 0
+
+    def run(path: str) -> dict:
+        nonlocal version
+        version += 1
+        t0 = time.perf_counter()
+        if path == "bucket-1":
+            split = _push_cuda_buckets(client, named, version, 1 << 40)
+        elif path == "bucket-512MiB":
+            split = _push_cuda_buckets(client, named, version, 512 << 20)
+        elif path == "flat":
+            split = pusher.push(client, version)
+        elif path == "one-tensor":
+            split = push_one_tensor(client, *named[-1], version)
+        else:
+            model.save_pretrained(ckpt)
+            t1 = time.perf_counter()
+            client.update_weights_from_disk(str(ckpt), weight_version=str(version))
+            split = {"gather_s": 0.0, "serialize_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+        split["total_s"] = time.perf_counter() - t0
+        return split
+
+    probe = ([151643, 9707, 11, 1879, 0, 3555], [374, 264, 1273])
+    results = {p: [] for p in PATHS}
+    try:
+        for p in PATHS:  # warm-up: first mapping, first allocations, first disk write
+            run(p)
+        for i in range(repeats):
+            with torch.no_grad():  # a fresh "optimizer step": every update carries new values
+                torch._foreach_add_(params, 1e-3)
+            for p in PATHS:
+                results[p].append(run(p))
+            print(f"round {i + 1}/{repeats}: " + "  ".join(
+                f"{p} {1000 * results[p][-1]['total_s']:.1f}ms" for p in PATHS), flush=True)
+        # every path must leave the engine in the same state
+        scores = {}
+        with torch.no_grad():
+            torch._foreach_add_(params, 1e-3)
+        for p in ("flat", "bucket-1", "disk"):
+            run(p)
+            scores[p] = client.score(*probe)
+        max_gap = max(abs(a - b) for p in scores for a, b in zip(scores[p], scores["flat"]))
+    finally:
+        stop_sglang(proc)
+    rows = {}
+    for p in PATHS:
+        rows[p] = {k[:-2] + "_ms": 1000 * statistics.median(s[k] for s in results[p])
+                   for k in ("gather_s", "serialize_s", "apply_s", "total_s")}
+        rows[p]["p90_ms"] = 1000 * sorted(s["total_s"] for s in results[p])[int(0.9 * (repeats - 1))]
+        rows[p]["all_ms"] = [round(1000 * s["total_s"], 3) for s in results[p]]
+    return {"shape": "Qwen2.5-0.5B-Instruct (random init, bf16)", "config": QWEN25_05B,
+            "num_params": num_params, "num_tensors": len(named), "mbytes": pusher.num_bytes / 1e6,
+            "repeats": repeats, "sglang_start_s": start_s, "gpu": torch.cuda.get_device_name(),
+            "max_abs_logprob_gap_between_paths": max_gap, "target_p50_ms": TARGET_MS, "paths": rows}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [p for p in PATHS if p != "disk"]
+    parts = ("gather_ms", "serialize_ms", "apply_ms")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    left = [0.0] * len(names)
+    for part in parts:
+        values = [result["paths"][n][part] for n in names]
+        ax.barh(names, values, left=left, label=part[:-3])
+        left = [a + b for a, b in zip(left, values)]
+    ax.axvline(TARGET_MS, color="k", ls="--", lw=1, label=f"target {TARGET_MS:.0f} ms")
+    ax.set_xlabel("ms (median)")
+    ax.set_title(f"full update, Qwen2.5-0.5B shape, {result['gpu']} "
+                 f"(disk: {result['paths']['disk']['total_ms']:.0f} ms)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=12)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gpu"))
+    args = p.parse_args(argv)
+    if args.repeats < 10:
+        p.error("--repeats must be >= 10 (medians of fewer say little)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = measure(args.repeats, Path(tmp), out)
+    print(f"\n{'path':<14} {'p50 ms':>8} {'p90 ms':>8} {'gather':>8} {'serialize':>10} {'apply':>8}")
+    for name, r in result["paths"].items():
+        print(f"{name:<14} {r['total_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['gather_ms']:>8.2f} "
+              f"{r['serialize_ms']:>10.2f} {r['apply_ms']:>8.2f}")
+    print(f"(disk: serialize = save_pretrained, apply = /update_weights_from_disk; "
+          f"max |logprob gap| between paths {result['max_abs_logprob_gap_between_paths']:.2e})")
+    (out / "weight_sync_gpu.json").write_text(json.dumps(result, indent=2))
+    if importlib.util.find_spec("matplotlib"):
+        plot(result, out / "weight_sync_gpu.png")
+    print(f"wrote {out / 'weight_sync_gpu.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

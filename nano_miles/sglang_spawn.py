@@ -1,0 +1,50 @@
+"""Start SGLang in the engine slot as a child process, through the project's own launcher (GPU tests, benches).
+
+Library module: `proc, url = start_sglang(model_dir, log_path)`; `stop_sglang(proc)` after.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from nano_miles.local_engine.spawn import REPO_ROOT, free_port, wait_for_http
+
+# Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
+# capture costs start-up time and nothing measured here depends on decode speed.
+DEFAULT_EXTRA_ARGS = "--attention-backend triton --disable-cuda-graph"
+
+
+def start_sglang(model_dir: Path | str, log_path: Path, *, dtype: str = "bfloat16",
+                 extra_args: str = DEFAULT_EXTRA_ARGS, mem_fraction_static: float = 0.3,
+                 timeout_s: float = 420.0) -> tuple[subprocess.Popen, str]:
+    """`python -m nano_miles.engine_launch` with engine.kind=sglang; waits for /health."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nano_miles.engine_launch", f"--model.path={model_dir}",
+           "--engine.kind=sglang", f"--engine.dtype={dtype}", f"--engine.port={port}",
+           f"--engine.mem_fraction_static={mem_fraction_static}", f"--engine.extra_args={extra_args}"]
+    with open(log_path, "wb") as log:
+        # own process group: SGLang's scheduler and detokenizer children go down with it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
+    except (RuntimeError, TimeoutError):
+        stop_sglang(proc)
+        raise RuntimeError(f"SGLang failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
+    return proc, url
+
+
+def stop_sglang(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

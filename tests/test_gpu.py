@@ -1,0 +1,226 @@
+"""SGLang in the engine slot on a GPU: token-in/token-out, bf16 parity with the trainer, CUDA-IPC
+weight updates (SGLang's bucket path and the flat path), pause modes, a sync run under supervisord.
+
+Run on a GPU host with sglang installed: python -m pytest -m gpu tests/test_gpu.py -s
+Everything here is skipped where there is no CUDA device or no sglang (CI). With
+$NANOMILES_GPU_REPORT set, the measured figures are also written there as JSON.
+"""
+
+import copy
+import importlib.util
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from nano_miles.engine_client import EngineClient, parse_output
+from nano_miles.grpo import assemble_batch, token_logprobs
+
+IS_GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not IS_GPU, reason="needs a CUDA GPU and sglang")]
+
+MAX_PARITY_BF16 = 0.01  # mean |log p_engine - log p_trainer| over response tokens, both in bf16
+
+
+def report(key: str, value) -> None:
+    """Print a measured figure and keep it in $NANOMILES_GPU_REPORT (a JSON object) if set."""
+    print(f"GPU-REPORT {key} = {value}")
+    path = os.environ.get("NANOMILES_GPU_REPORT")
+    if path:
+        data = json.loads(open(path).read()) if os.path.exists(path) else {}
+        data[key] = value
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
+@pytest.fixture(scope="module")
+def sglang_url(policy_dir, tmp_path_factory):
+    from nano_miles.sglang_spawn import start_sglang, stop_sglang
+
+    proc, url = start_sglang(policy_dir, tmp_path_factory.mktemp("sglang") / "engine.log")
+    yield url
+    stop_sglang(proc)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy_dir):
+    from transformers import AutoTokenizer
+
+    from nano_miles.tasks.arithmetic import make_problems
+    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    return [tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+            for p in make_problems("test", 32, 0)]
+
+
+def load_trainer_model(policy_dir, dtype):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=dtype).to("cuda").eval()
+
+
+def sample(client, prompts, max_new_tokens=32):
+    params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    outs = client.generate(prompts, params, return_logprob=True)
+    return [parse_output(o["meta_info"], o["output_ids"])[:2] for o in outs]
+
+
+def trainer_logprobs(model, prompts, responses) -> list[list[float]]:
+    """The trainer's T=1 logprobs of each response token (grpo.token_logprobs, as in training)."""
+    zeros = [[0.0] * len(r) for r in responses]
+    batch = assemble_batch(prompts, responses, zeros, [0.0] * len(prompts), pad_id=0).to("cuda")
+    with torch.no_grad():
+        logp = token_logprobs(model, batch.input_ids, batch.targets, batch.attention_mask, 1.0)
+    return [logp[i][batch.loss_mask[i]].tolist() for i in range(len(prompts))]
+
+
+def mean_abs_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    gaps = [abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb, strict=True)]
+    return sum(gaps) / len(gaps)
+
+
+def engine_scores(client, prompts, responses) -> list[list[float]]:
+    """Prefill scores from an empty radix cache: a cached prompt prefix takes another kernel path
+    (extend instead of full prefill), which moves bf16 logprobs by up to ~0.1, so scores compared
+    across weight updates must start from the same cache state."""
+    client.flush_cache()
+    return [client.score(p, r) for p, r in zip(prompts, responses)]
+
+
+def greedy(client, prompts) -> list[list[int]]:
+    outs = client.generate(prompts, {"max_new_tokens": 16, "temperature": 0.0}, return_logprob=False)
+    return [o["output_ids"] for o in outs]
+
+
+def test_tito_single_sample(sglang_url, prompts):
+    client = EngineClient(sglang_url)
+    out = client.generate(prompts[0], {"max_new_tokens": 24, "temperature": 1.0, "top_k": -1},
+                          return_logprob=True)
+    assert isinstance(out, dict) and "text" not in out  # ids in, ids out: no tokenizer in the engine
+    tokens, logprobs, finish, version = parse_output(out["meta_info"], out["output_ids"])
+    assert 1 <= len(tokens) <= 24 and len(logprobs) == len(tokens)
+    assert all(lp <= 0.0 for lp in logprobs)
+    assert finish in ("stop", "length") and version == client.model_info()["weight_version"]
+    if finish == "stop":
+        assert tokens[-1] == 1  # the matched EOS is part of the output
+
+
+def test_prefill_parity_bf16(sglang_url, prompts, policy_dir):
+    client = EngineClient(sglang_url)
+    samples = sample(client, prompts)
+    responses = [s[0] for s in samples]
+    engine_prefill = engine_scores(client, prompts, responses)
+    model = load_trainer_model(policy_dir, torch.bfloat16)
+    trainer = trainer_logprobs(model, prompts, responses)
+    prefill_gap = mean_abs_gap(engine_prefill, trainer)
+    rollout_gap = mean_abs_gap([s[1] for s in samples], trainer)
+    fp32_gap = mean_abs_gap(engine_prefill, trainer_logprobs(load_trainer_model(policy_dir, torch.float32),
+                                                             prompts, responses))
+    report("parity_prefill_bf16_mean_abs", prefill_gap)
+    report("parity_rollout_bf16_mean_abs", rollout_gap)
+    report("parity_prefill_engine_bf16_vs_trainer_fp32_mean_abs", fp32_gap)
+    report("parity_num_tokens", sum(len(r) for r in responses))
+    assert prefill_gap <= MAX_PARITY_BF16
+    assert rollout_gap <= 2 * MAX_PARITY_BF16
+
+
+def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, policy_dir):
+    from nano_miles.flat_sync import FlatWeightPusher
+    from nano_miles.weight_sync import push_weights
+
+    client = EngineClient(sglang_url)
+    probe = prompts[:16]
+    reference_greedy = greedy(client, probe)
+    responses = [s[0] for s in sample(client, probe, 16)]
+    reference_scores = engine_scores(client, probe, responses)
+
+    model = load_trainer_model(policy_dir, torch.float32)  # the trainer keeps fp32 weights
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * p.std() * torch.randn_like(p))  # far larger than an optimizer step
+    client.pause("abort")
+    split = push_weights(client, model, 1)  # SGLang's own FlattenedTensorBucket path
+    client.resume()
+    report("policy_bucket_update_ms", 1000 * split["total_s"])
+    assert client.model_info()["weight_version"] == "1"
+    assert greedy(client, probe) != reference_greedy, "new weights must change the engine's outputs"
+    after_bucket = engine_scores(client, probe, responses)
+    gap = mean_abs_gap(after_bucket, trainer_logprobs(copy.deepcopy(model).to(torch.bfloat16),
+                                                      probe, responses))
+    report("parity_prefill_bf16_after_update_mean_abs", gap)
+    assert gap <= MAX_PARITY_BF16
+
+    pusher = FlatWeightPusher(model)  # the same weights through the flat path: same engine state
+    client.pause("abort")
+    pusher.push(client, 2)
+    client.resume()
+    assert client.model_info()["weight_version"] == "2"
+    after_flat = engine_scores(client, probe, responses)
+    assert mean_abs_gap(after_flat, after_bucket) < 1e-3  # a misplaced tensor moves it by >> 0.01
+
+    with torch.no_grad():  # back to the original weights through the flat path (mapping reused)
+        for n, p in model.named_parameters():
+            p.copy_(original[n])
+    client.pause("abort")
+    pusher.push(client, 3)
+    client.resume()
+    assert greedy(client, probe) == reference_greedy
+    restored = engine_scores(client, probe, responses)
+    assert mean_abs_gap(restored, reference_scores) < 1e-3
+
+
+def test_pause_modes(sglang_url, prompts):
+    client = EngineClient(sglang_url)
+    long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+    results = {}
+    worker = threading.Thread(target=lambda: results.update(
+        out=EngineClient(sglang_url).generate(prompts[:16], long, return_logprob=True)))
+    worker.start()
+    time.sleep(0.2)
+    client.pause("abort")  # returns once every running request has returned
+    worker.join(timeout=30)
+    client.resume()
+    finishes = [o["meta_info"]["finish_reason"]["type"] for o in results["out"]]
+    assert "abort" in finishes, finishes
+    for o in results["out"]:  # an aborted request keeps its tokens and their logprobs
+        tokens, logprobs, _, _ = parse_output(o["meta_info"], o["output_ids"])
+        assert len(tokens) == len(logprobs) <= 200
+    for mode in ("in_place", "retract"):
+        client.pause(mode)
+        client.resume()
+        assert len(greedy(client, prompts[:2])) == 2
+
+
+@pytest.mark.slow
+def test_sync_pipeline_learns_on_gpu(tmp_path):
+    from nano_miles.sglang_spawn import DEFAULT_EXTRA_ARGS
+    from nano_miles.supervised_run import SupervisedRun
+
+    num_steps = 60
+    run = SupervisedRun(tmp_path / "run", [
+        "--engine.kind=sglang", "--engine.dtype=bfloat16", "--engine.mem_fraction_static=0.3",
+        f"--engine.extra_args='{DEFAULT_EXTRA_ARGS}'", "--trainer.device=cuda",
+        f"--trainer.num_steps={num_steps}", "--trainer.batch_groups=16", "--rollout.group_size=8",
+        "--trainer.lr=2e-4", "--trainer.eval_every=10", "--task.num_test=200",
+        "--trainer.checkpoint_every=30", "--rollout.max_inflight_groups=32"]).start()
+    try:
+        assert run.wait(timeout_s=540) == 0, run.tail()
+    finally:
+        run.stop()
+    records = run.metrics()
+    s = run.summary()
+    report("pipeline_summary", s)
+    report("pipeline_eval_curve", [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r])
+    report("pipeline_update_ms_median", sorted(r["update_ms"] for r in records)[len(records) // 2])
+    report("pipeline_parity_mean", sum(r["parity"] for r in records) / len(records))
+    assert [r["step"] for r in records] == list(range(1, num_steps + 1))
+    assert all(r["version"] == r["step"] for r in records), "engine weights must follow every step"
+    assert all(r["staleness_max"] == 0 for r in records)
+    # Measured on one H200 (bf16 engine, fp32 trainer): held-out accuracy 0.225 -> 0.28, reward
+    # 0.263 -> 0.274. At lr 5e-4 (the CPU default, fp32 engine) the same run collapses to 0.015:
+    # the bf16 engine's behaviour logprobs differ from the trainer's by ~0.003 per token.
+    assert s["eval_accuracy_max"] > s["eval_accuracy_start"] + 0.05, s
+    assert s["reward_late"] > s["reward_early"], s
