@@ -94,6 +94,8 @@ class RolloutMetrics(StageMetrics):
         self.weight_version.set_function(lambda: state.version)
         self.engine_failures = Counter("nanomiles_engine_failures", "Groups the engine failed (re-issued)",
                                        registry=r)
+        self.dropped_for_good = Counter("nanomiles_dropped_for_good_groups", "Groups the engine refused "
+                                        "for good (never issued again)", ["reason"], registry=r)
 
     def issued(self) -> None:
         self.groups_sent.labels(HOP_ENGINE).inc()
