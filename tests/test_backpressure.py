@@ -5,6 +5,8 @@ Run: `pytest -m slow tests/test_backpressure.py` (~2-3 min on 2 CPU cores).
 """
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -69,6 +71,13 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
                             **{f"{s}_rss": rss_bytes(pid) for s, pid in pids.items()}})
             time.sleep(1.0)
         assert "STOPPED" in run.ctl("status", "nanomiles:trainer")
+        out = subprocess.run([sys.executable, "-m", "nano_miles.status", f"--run.dir={run.run_dir}"],
+                             env=run.env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, out.stdout + out.stderr  # the trainer is down
+        lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+        assert "DOWN" in lines["trainer"] and "version gate" in lines["rollout"], out.stdout
+        assert " up " in lines["engine"] and " up " in lines["reward"], out.stdout
+        assert "STOPPED" in out.stdout and "RUNNING" in out.stdout, out.stdout
         assert {stage: stage_pid(run, stage) for stage in pids} == pids, "a stage restarted under backpressure"
         assert "started" in run.ctl("start", "nanomiles:trainer")
         assert run.wait(timeout_s=600) == 0, run.tail()
