@@ -24,6 +24,32 @@ from nano_miles.wire import WireError
 log = logging.getLogger(__name__)
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+CURVE = {"key_dir": ""}        # set once per process by use_curve(); "" = plain sockets
+_authenticators: dict[int, object] = {}  # one ZAP authenticator per context that binds
+
+
+def use_curve(key_dir: str) -> None:
+    """Every socket made from now on uses CURVE with the keys of `python -m nano_miles.keys key_dir`."""
+    CURVE["key_dir"] = key_dir
+
+
+def _apply_curve(ctx: zmq.Context, sock: zmq.Socket, bind: bool) -> None:
+    from pathlib import Path
+
+    import zmq.auth
+    key_dir = Path(CURVE["key_dir"])
+    if bind:
+        if id(ctx) not in _authenticators:  # admit only the client keys listed in allowed/
+            from zmq.auth.thread import ThreadAuthenticator
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=str(key_dir / "allowed"))
+            _authenticators[id(ctx)] = auth
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(key_dir / "server.key_secret")
+        sock.curve_server = True
+    else:
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(key_dir / "client.key_secret")
+        sock.curve_serverkey, _ = zmq.auth.load_certificate(key_dir / "server.key")
 
 
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, hwm_msgs: int = 1000,
@@ -39,6 +65,8 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, *, bind: bool, hwm_m
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.RCVTIMEO, recv_timeout_ms)
     sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    if CURVE["key_dir"]:
+        _apply_curve(ctx, sock, bind)
     if bind:
         host = urlparse(endpoint).hostname if endpoint.startswith("tcp://") else None
         if host is not None and host not in LOOPBACK_HOSTS:

@@ -139,6 +139,11 @@ class MetricsConfig:
 
 
 @dataclass
+class SecurityConfig:
+    curve_dir: str = ""              # ZeroMQ CURVE keys from `python -m nano_miles.keys DIR`; "" = plain
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -148,6 +153,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @property
     def run_dir(self) -> Path:

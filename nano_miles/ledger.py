@@ -40,6 +40,7 @@ class Ledger:
         self.reissue: deque[str] = deque()
         self.attempts: dict[str, int] = {}
         self.num_reissued = 0
+        self.dropped_for_good: dict[str, str] = {}  # id -> reason; never issued again (e.g. too long)
 
     # ------------------------------------------------------------ positions <-> ids
     def group_id(self, position: int) -> str:
@@ -55,7 +56,8 @@ class Ledger:
         now_s = time.monotonic() if now_s is None else now_s
         while self.reissue:
             group_id = self.reissue.popleft()
-            if group_id not in self.trained and group_id not in self.outstanding:
+            if group_id not in self.trained and group_id not in self.outstanding \
+                    and group_id not in self.dropped_for_good:
                 break
         else:
             group_id = self.group_id(self.cursor)
@@ -86,6 +88,11 @@ class Ledger:
         for group_id in group_ids:
             self._queue_again(group_id)
 
+    def on_dropped_for_good(self, group_id: str, reason: str) -> None:
+        """A group that can never succeed (the engine refuses its prompt): out of the run, with why."""
+        self.outstanding.pop(group_id, None)
+        self.dropped_for_good[group_id] = reason
+
     def renew(self, group_id: str, now_s: float | None = None) -> None:
         """Restart a lease (when the group leaves the producer: downstream time is what it bounds)."""
         if group_id in self.outstanding:
@@ -112,7 +119,8 @@ class Ledger:
         # every id below the cursor that is neither trained nor out is a hole: issue it again
         for position in range(self.cursor):
             group_id = self.group_id(position)
-            if group_id not in trained and group_id not in self.outstanding:
+            if group_id not in trained and group_id not in self.outstanding \
+                    and group_id not in self.dropped_for_good:
                 self._queue_again(group_id)
 
     def _queue_again_after_rollback(self, group_id: str) -> None:

@@ -94,6 +94,8 @@ class RolloutMetrics(StageMetrics):
         self.weight_version.set_function(lambda: state.version)
         self.engine_failures = Counter("nanomiles_engine_failures", "Groups the engine failed (re-issued)",
                                        registry=r)
+        self.dropped_for_good = Counter("nanomiles_dropped_for_good_groups", "Groups the engine refused "
+                                        "for good (never issued again)", ["reason"], registry=r)
 
     def issued(self) -> None:
         self.groups_sent.labels(HOP_ENGINE).inc()
@@ -110,6 +112,9 @@ class RewardMetrics(StageMetrics):
     def __init__(self, cfg):
         super().__init__("reward", cfg.reward.metrics_port)
         self.rejected = Counter("nanomiles_rejected_messages", "Undecodable messages", registry=self.registry)
+        self.reward_failures = Counter("nanomiles_reward_failures", "Samples scored 0 because the reward "
+                                       "function raised, hung or returned a non-finite value", ["reason"],
+                                       registry=self.registry)
         self.busy_seconds = Counter("nanomiles_busy_seconds", "Seconds spent scoring", registry=self.registry)
         self.reward = Summary("nanomiles_reward", "Mean reward per scored group", registry=self.registry)
         self.started_s = 0.0

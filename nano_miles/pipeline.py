@@ -34,6 +34,9 @@ def setup_process(name: str, cfg: Config, *, num_threads: int | None = None,
     logging.basicConfig(level=logging.INFO, handlers=handlers,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
     die_with_parent()
+    if cfg.security.curve_dir:
+        from nano_miles.channels import use_curve
+        use_curve(cfg.security.curve_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run finally-blocks, close sockets
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in stage logs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model paths are local directories, never a hub

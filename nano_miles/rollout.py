@@ -36,6 +36,12 @@ log = logging.getLogger("rollout")
 MAX_SEGMENTS_PER_SAMPLE = 64  # a sample aborted this often means the engine is stuck in a pause loop
 MAX_OUTBOX = 64               # finished groups held while reward does not take them (backpressure)
 ENGINE_RETRY_S = (0.5, 1, 2, 4, 8)  # backoff between attempts at a group the engine failed
+RETRYABLE_4XX = (408, 409, 429)     # timeout, conflict, too many requests: worth another try
+
+
+def is_permanent(e: Exception) -> bool:
+    """A 4xx that will fail the same way every time (e.g. the prompt is longer than the context)."""
+    return isinstance(e, EngineError) and 400 <= e.status < 500 and e.status not in RETRYABLE_4XX
 
 
 @dataclass
@@ -110,14 +116,16 @@ class RolloutProducer:
         else:
             waiting = f"weights newer than version {s.version} (the version gate)"
         return {"version": s.version, "is_paused": s.is_paused, "waiting_for": waiting,
-                "outstanding_group_ids": sorted(self.ledger.outstanding), **self.counters()}
+                "outstanding_group_ids": sorted(self.ledger.outstanding),
+                "dropped_for_good": dict(self.ledger.dropped_for_good), **self.counters()}
 
     def counters(self) -> dict:
         s = self.state
         return {"num_sent": s.num_sent, "num_generated_tokens": s.num_generated_tokens,
                 "num_resumed_samples": s.num_resumed_samples, "num_failed": s.num_failed,
                 "num_reissued": self.ledger.num_reissued, "num_inflight": len(s.inflight),
-                "num_outstanding": len(self.ledger.outstanding)}
+                "num_outstanding": len(self.ledger.outstanding),
+                "num_dropped_for_good": len(self.ledger.dropped_for_good)}
 
     # ------------------------------------------------------------ generation
     def issue(self) -> None:
@@ -181,7 +189,7 @@ class RolloutProducer:
                 with self.lock:
                     self.state.num_failed += 1
                 self.metrics.engine_failures.inc()
-                if delay_s is None:
+                if delay_s is None or is_permanent(e):
                     raise
                 log.warning("engine failed a request (%s); retrying in %.1fs", e, delay_s)
                 time.sleep(delay_s)
@@ -209,7 +217,13 @@ class RolloutProducer:
             try:
                 group = fut.result()
             except (EngineError, OSError, ValueError) as e:
-                # the engine failed this group for good: it goes back in line, nothing is lost
+                if is_permanent(e):  # retrying cannot help: out of the run, reported with the reason
+                    reason = f"engine_http_{e.status}"
+                    log.warning("group %s dropped for good (%s): %s", group_id, reason, e.message[:200])
+                    self.ledger.on_dropped_for_good(group_id, reason)
+                    self.metrics.dropped_for_good.labels(reason).inc()
+                    continue
+                # the engine failed this group after every retry: it goes back in line, nothing is lost
                 log.warning("group %s failed (%s); it will be issued again", group_id, e)
                 self.ledger.on_dropped([group_id])
                 continue

@@ -71,21 +71,25 @@ def merge_hists(hists) -> dict:
     return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
-def ledger_report(state, outstanding: list[str], positions) -> dict:
+def ledger_report(state, outstanding: list[str], positions, dropped_for_good: dict[str, str] | None = None) -> dict:
     """Every prompt of the run: trained once (at which step), or why not. `positions` maps ids to
-    dataset positions (a Ledger); `outstanding` are ids the producer still had out at the end."""
+    dataset positions (a Ledger); `outstanding` are ids the producer still had out at the end;
+    `dropped_for_good` are ids the producer gave up on, with the reason."""
+    dropped_for_good = dropped_for_good or {}
     trained_at: dict[str, list[int]] = {}
     for step, ids in state.trained_by_step.items():
         for group_id in ids:
             trained_at.setdefault(group_id, []).append(step)
     unfinished = set(outstanding)
-    num_prompts = max([state.cursor] + [positions.position(g) + 1 for g in unfinished])
+    num_prompts = max([state.cursor] + [positions.position(g) + 1 for g in unfinished | set(dropped_for_good)])
     prompts = {}
     for position in range(num_prompts):
         group_id = positions.group_id(position)
         steps = trained_at.get(group_id, [])
         if steps:
             prompts[group_id] = f"trained at step {steps[0]}" + (f" and again at {steps[1:]}" if steps[1:] else "")
+        elif group_id in dropped_for_good:
+            prompts[group_id] = f"dropped: {dropped_for_good[group_id]}"
         elif group_id in unfinished:
             prompts[group_id] = "dropped: still being generated when the run ended"
         else:
@@ -94,7 +98,8 @@ def ledger_report(state, outstanding: list[str], positions) -> dict:
     return {"num_prompts": num_prompts,
             "num_trained_once": sum(v.startswith("trained") and "again" not in v for v in values),
             "num_trained_twice": sum("again" in v for v in values),
-            "num_unfinished": sum(v.startswith("dropped") for v in values),
+            "num_unfinished": sum(v.startswith("dropped: still") for v in values),
+            "num_dropped": sum(v.startswith("dropped") and not v.startswith("dropped: still") for v in values),
             "num_lost": values.count("lost"), "prompts": prompts}
 
 

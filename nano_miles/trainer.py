@@ -125,8 +125,9 @@ class Trainer:
                 "data_cursor": {"epoch": epoch, "index": index}}
 
     def finish(self, engine_busy_start: float | None) -> dict:
-        outstanding = self.link.request("status").get("outstanding_group_ids", [])
-        report = ledger_report(self.state, outstanding, self.positions)
+        status = self.link.request("status")
+        report = ledger_report(self.state, status.get("outstanding_group_ids", []), self.positions,
+                               status.get("dropped_for_good", {}))
         (self.run_dir / "ledger.json").write_text(json.dumps(report, indent=2))
         summary = summarize(self.read_metrics(), self.state.evals)
         wall_s = time.perf_counter() - self.started

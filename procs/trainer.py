@@ -20,6 +20,8 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"trainer: config error: {e}", file=sys.stderr)
         return 2
+    import logging
+
     import torch
     import zmq
     from transformers import AutoModelForCausalLM
@@ -35,7 +37,12 @@ def main(argv: list[str]) -> int:
     tokenizer = load_tokenizer(cfg)
     evaluator = make_evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
+    from nano_miles.channels import ControlTimeout
+    try:
+        Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
+    except (TimeoutError, ControlTimeout) as e:  # a peer gone for good: exit, supervisord restarts us
+        logging.getLogger("trainer").error("cannot continue: %s", e)
+        return 1
     return 0
 
 

@@ -1,0 +1,121 @@
+"""Backpressure and hostile input under the real supervisord: a stopped trainer holds the pipeline
+still in bounded memory; junk sent into the PULL sockets is counted and the run goes on.
+
+Run: `pytest -m slow tests/test_backpressure.py` (~2-3 min on 2 CPU cores).
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from nano_miles.channels import ControlClient, make_socket
+from nano_miles.config import load_config
+from nano_miles.metrics import HOP_REWARD
+from nano_miles.metrics_read import scrape
+from nano_miles.supervised_run import SupervisedRun
+from nano_miles.wire import MAX_MESSAGE_BYTES
+from test_chaos import CHAOS, stage_pid, surviving_steps
+
+# the chaos config with the default 60 s lease: a 20 s stop must not look like lost groups
+SHORT = [o for o in CHAOS if not o.startswith(("--rollout.lease_s", "--trainer.num_steps"))]
+STOP_S = 20.0
+MAX_GROWTH_BYTES = 50 * 1024 * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def wait_for_step(run: SupervisedRun, step: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while max(surviving_steps(run), default=0) < step:
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.tail()
+        time.sleep(0.2)
+
+
+def check_ledger(run: SupervisedRun, num_steps: int) -> dict:
+    ledger = json.loads((run.run_dir / "ledger.json").read_text())
+    assert ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0, {k: v for k, v in ledger.items()
+                                                                          if k != "prompts"}
+    assert sorted(surviving_steps(run)) == list(range(1, num_steps + 1))
+    return ledger
+
+
+@pytest.mark.slow
+def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
+    num_steps = 10
+    run = SupervisedRun(tmp_path / "run", SHORT + [f"--trainer.num_steps={num_steps}"]).start()
+    cfg = load_config(overrides=run.overrides)
+    ctx = zmq.Context()
+    producer = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=2.0, retries=3)
+    samples = []
+    try:
+        wait_for_step(run, 3)
+        pids = {stage: stage_pid(run, stage) for stage in ("rollout", "reward")}
+        assert "stopped" in run.ctl("stop", "nanomiles:trainer")
+        started = time.monotonic()
+        while time.monotonic() - started < STOP_S:
+            status = producer.request("status")
+            reward = scrape(f"http://127.0.0.1:{cfg.reward.metrics_port}/metrics")
+            samples.append({"t_s": time.monotonic() - started, "num_sent": status["num_sent"],
+                            "num_inflight": status["num_inflight"], "waiting_for": status["waiting_for"],
+                            "reward_received": reward.get("nanomiles_groups_received_total", hop=HOP_REWARD),
+                            **{f"{s}_rss": rss_bytes(pid) for s, pid in pids.items()}})
+            time.sleep(1.0)
+        assert "STOPPED" in run.ctl("status", "nanomiles:trainer")
+        out = subprocess.run([sys.executable, "-m", "nano_miles.status", f"--run.dir={run.run_dir}"],
+                             env=run.env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, out.stdout + out.stderr  # the trainer is down
+        lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
+        assert "DOWN" in lines["trainer"] and "version gate" in lines["rollout"], out.stdout
+        assert " up " in lines["engine"] and " up " in lines["reward"], out.stdout
+        assert "STOPPED" in out.stdout and "RUNNING" in out.stdout, out.stdout
+        assert {stage: stage_pid(run, stage) for stage in pids} == pids, "a stage restarted under backpressure"
+        assert "started" in run.ctl("start", "nanomiles:trainer")
+        assert run.wait(timeout_s=600) == 0, run.tail()
+    finally:
+        producer.close()
+        ctx.term()
+        run.stop()
+    (tmp_path / "backpressure.json").write_text(json.dumps(samples, indent=1))
+    first, settled = samples[0], [s for s in samples if s["t_s"] >= STOP_S / 2]
+    for stage in ("rollout", "reward"):
+        growth = max(s[f"{stage}_rss"] for s in samples) - first[f"{stage}_rss"]
+        assert growth < MAX_GROWTH_BYTES, f"{stage} grew {growth / 2**20:.1f} MiB while the trainer was stopped"
+    # the producer stopped issuing and reward stopped receiving: nothing piles up anywhere
+    assert len({s["num_sent"] for s in settled}) == 1, samples
+    assert len({s["reward_received"] for s in settled}) == 1, samples
+    assert settled[-1]["num_inflight"] == 0 and "version gate" in settled[-1]["waiting_for"], samples[-1]
+    check_ledger(run, num_steps)
+
+
+@pytest.mark.slow
+def test_junk_in_the_pull_sockets_is_counted_and_the_run_completes(tmp_path):
+    num_steps = 6
+    run = SupervisedRun(tmp_path / "run", SHORT + [f"--trainer.num_steps={num_steps}"]).start()
+    cfg = load_config(overrides=run.overrides)
+    ctx = zmq.Context()
+    junk = [b"", b"\x00" * 7, b"\xc1garbage", b"\x81\xa1v\x01", bytes(MAX_MESSAGE_BYTES + 1)]
+    try:
+        wait_for_step(run, 1)
+        for endpoint in (cfg.reward.endpoint, cfg.trainer.endpoint):
+            push = make_socket(ctx, zmq.PUSH, endpoint, bind=False, send_timeout_ms=10_000)
+            for data in junk:
+                push.send(data)
+            push.close(linger=10_000)  # wait until the junk is delivered
+        assert run.wait(timeout_s=600) == 0, run.tail()
+    finally:
+        ctx.term()
+        run.stop()
+    reward_log = (run.run_dir / "reward.log").read_text()
+    assert reward_log.count("rejected a message") == len(junk), reward_log[-3000:]
+    assert run.summary()["drops"].get("malformed") == len(junk), run.summary()["drops"]
+    check_ledger(run, num_steps)

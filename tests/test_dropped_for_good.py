@@ -1,0 +1,59 @@
+"""A prompt the engine will never accept (longer than the model's context) is dropped for good with a
+counted reason, reported in the ledger, and the producer goes on with the next prompts.
+
+Run: `pytest tests/test_dropped_for_good.py` (a real local engine on the small policy).
+"""
+
+import time
+from types import SimpleNamespace
+
+import zmq
+
+from nano_miles.config import load_config
+from nano_miles.engine_client import EngineClient
+from nano_miles.ledger import Ledger
+from nano_miles.rollout import RolloutProducer
+from nano_miles.run_log import ledger_report
+
+
+def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
+    context_len = int(EngineClient(engine_url).server_info().get("context_length", 2048))
+    host, port = engine_url.rsplit(":", 1)
+    cfg = load_config(overrides=[f"--engine.port={port}", f"--reward.endpoint=ipc://{tmp_path}/reward.sock",
+                                 f"--rollout.control_endpoint=ipc://{tmp_path}/control.sock",
+                                 "--rollout.metrics_port=0", "--rollout.group_size=2",
+                                 "--rollout.max_new_tokens=4", "--trainer.batch_groups=3", "--task.num_train=5"])
+    problems = [SimpleNamespace(answer=str(i)) for i in range(5)]
+    prompts = [[5] * (context_len + 10), [5, 6, 7], [8, 9], [10], [11, 12]]
+    ctx = zmq.Context()
+    producer = RolloutProducer(cfg, ctx, problems, prompts)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(cfg.reward.endpoint)
+    try:
+        producer.on_resume(0)
+        deadline = time.monotonic() + 60
+        while producer.state.num_sent < 3 or producer.state.inflight:
+            assert time.monotonic() < deadline, producer.on_status()
+            producer.collect()
+            producer.flush_outbox()
+            while producer.may_issue():
+                producer.issue()
+            time.sleep(0.01)
+        status = producer.on_status()
+        assert status["dropped_for_good"] == {"e0-i0": "engine_http_400"}
+        assert status["num_dropped_for_good"] == 1 and status["num_failed"] == 1  # tried once, not retried
+        assert producer.metrics.registry.get_sample_value("nanomiles_dropped_for_good_groups_total",
+                                                          {"reason": "engine_http_400"}) == 1
+        # its slot in the batch went to the next prompt
+        assert status["outstanding_group_ids"] == ["e0-i1", "e0-i2", "e0-i3"]
+    finally:
+        pull.close(linger=0)
+        producer.push.close(linger=0)
+        producer.control.close()
+        producer.pool.shutdown(wait=False)
+        ctx.term()
+    # the end-of-run report lists it as dropped with that reason, not lost
+    state = SimpleNamespace(trained_by_step={1: ["e0-i1", "e0-i2", "e0-i3"]}, cursor=4)
+    report = ledger_report(state, [], Ledger(5, 1.0), status["dropped_for_good"])
+    assert report["prompts"]["e0-i0"] == "dropped: engine_http_400"
+    assert report["num_dropped"] == 1 and report["num_lost"] == 0 and report["num_trained_once"] == 3
