@@ -20,6 +20,7 @@ from nano_miles.channels import ControlClient, ControlTimeout
 from nano_miles.config import Config
 from nano_miles.dist_sync import DistributedWeightSender, WeightTransportError
 from nano_miles.engine_client import EngineClient, EngineError
+from nano_miles.engine_group import make_engine
 from nano_miles.weight_sync import push_weights
 
 log = logging.getLogger("trainer")
@@ -31,7 +32,7 @@ class PipelineLink:
     def __init__(self, cfg: Config, ctx: zmq.Context, sync_state: Callable[[], dict]):
         t = cfg.trainer
         self.cfg = cfg
-        self.engine = EngineClient(cfg.engine.url, timeout_s=cfg.engine.request_timeout_s)
+        self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
         self.sender = None  # the broadcast transport, when the config asks for it
         if cfg.engine.weight_transport == "distributed":
             e = cfg.engine
