@@ -61,14 +61,42 @@ class EngineConfig:
     mem_fraction_static: float = 0.5 # sglang: share of GPU memory for weights + KV (trainer needs the rest)
     extra_args: str = ""             # sglang: more server flags, shell-split (e.g. "--attention-backend triton")
     request_timeout_s: float = 300.0
+    weight_transport: str = "tensor" # "tensor": shared memory / CUDA IPC (same host as the trainer);
+                                     # "distributed": broadcast over a gloo/nccl group (any host)
+    weight_group_backend: str = "gloo"          # "nccl" for GPU engines
+    weight_group_address: str = "127.0.0.1"     # trainer's address as the engines reach it
+    weight_group_port: int = 0                  # 0 = a free local port (single host only)
+    weight_group_timeout_s: float = 120.0
+    urls: list = field(default_factory=list)    # several engines: ["http://h1:30000", ...]; [] = host:port
+    router_url: str = ""             # sglang-router in front of `urls`: generation goes through it
 
     def __post_init__(self):
         if self.kind not in ("local", "sglang"):
             raise ConfigError(f"engine.kind must be 'local' or 'sglang', not {self.kind!r}")
+        if self.weight_transport not in ("tensor", "distributed"):
+            raise ConfigError(f"engine.weight_transport must be 'tensor' or 'distributed', "
+                              f"not {self.weight_transport!r}")
+        if self.weight_group_backend not in ("gloo", "nccl"):
+            raise ConfigError("engine.weight_group_backend must be 'gloo' or 'nccl'")
+        if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http://")
+                                                      for u in self.urls):
+            raise ConfigError('engine.urls must be a list of "http://host:port" strings')
+        if len(self.urls) > 1 and not self.router_url:
+            raise ConfigError("engine.urls lists several engines: set engine.router_url for generation")
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """Every engine that takes control calls and weight updates."""
+        return list(self.urls) or [self.url]
+
+    @property
+    def generate_url(self) -> str:
+        """Where /generate goes: the router if there is one, else the single engine."""
+        return self.router_url or self.engine_urls[0]
 
 
 @dataclass

@@ -26,7 +26,8 @@ import zmq
 
 from nano_miles.channels import ControlServer, make_socket
 from nano_miles.config import Config
-from nano_miles.engine_client import EngineClient, EngineError, parse_output, token_versions
+from nano_miles.engine_client import EngineError, parse_output, token_versions
+from nano_miles.engine_group import make_engine
 from nano_miles.ledger import Ledger
 from nano_miles.metrics import RolloutMetrics
 from nano_miles.wire import RolloutGroup, Sample, encode_rollout
@@ -69,7 +70,7 @@ class RolloutProducer:
         self.prompt_ids = prompt_ids
         self.state = ProducerState()
         self.ledger = Ledger(len(problems), cfg.rollout.lease_s)
-        self.engine = EngineClient(cfg.engine.url, timeout_s=cfg.engine.request_timeout_s)
+        self.engine = make_engine(cfg.engine)  # generation through the router when there is one
         self.lock = threading.Lock()  # counters written by the generate threads
         self.pool = ThreadPoolExecutor(max_workers=cfg.rollout.max_inflight_groups,
                                        thread_name_prefix="generate")

@@ -18,7 +18,9 @@ import zmq
 
 from nano_miles.channels import ControlClient, ControlTimeout
 from nano_miles.config import Config
+from nano_miles.dist_sync import DistributedWeightSender, WeightTransportError
 from nano_miles.engine_client import EngineClient, EngineError
+from nano_miles.engine_group import make_engine
 from nano_miles.weight_sync import push_weights
 
 log = logging.getLogger("trainer")
@@ -30,7 +32,14 @@ class PipelineLink:
     def __init__(self, cfg: Config, ctx: zmq.Context, sync_state: Callable[[], dict]):
         t = cfg.trainer
         self.cfg = cfg
-        self.engine = EngineClient(cfg.engine.url, timeout_s=cfg.engine.request_timeout_s)
+        self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
+        self.sender = None  # the broadcast transport, when the config asks for it
+        if cfg.engine.weight_transport == "distributed":
+            e = cfg.engine
+            self.sender = DistributedWeightSender(
+                [EngineClient(u, timeout_s=e.request_timeout_s) for u in e.engine_urls],
+                backend=e.weight_group_backend, master_address=e.weight_group_address,
+                master_port=e.weight_group_port, timeout_s=e.weight_group_timeout_s)
         self.control = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=t.control_timeout_s,
                                      retries=t.control_retries)
         self.sync_state = sync_state      # the trainer's durable state, as `sync` sends it
@@ -75,7 +84,7 @@ class PipelineLink:
         while True:
             try:
                 return fn()
-            except (EngineError, OSError) as e:
+            except (EngineError, OSError, WeightTransportError) as e:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("engine failed during %s (%s); waiting for it", what, e)
@@ -100,7 +109,10 @@ class PipelineLink:
         t0 = time.perf_counter()
         self.engine.pause(mode)
         t1 = time.perf_counter()
-        push = push_weights(self.engine, model, version)
+        if self.sender is not None:  # a failed push dropped the group; this one builds a new one
+            push = self.sender.push(model, version)
+        else:
+            push = push_weights(self.engine, model, version)
         t2 = time.perf_counter()
         self.engine.resume()
         self.version = version
@@ -118,6 +130,8 @@ class PipelineLink:
             log.warning("engine serves weight version %s, expected %d (restarted?): pushing weights again",
                         served, version)
             self.num_engine_repushes += 1
+            if self.sender is not None:  # the restarted engine left the weight group
+                self.sender.close()
             self.update_weights(model, version)
         self.request("status")
 

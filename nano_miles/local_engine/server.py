@@ -10,7 +10,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +21,9 @@ from nano_miles.local_engine.protocol import generate_response, parse_generate
 from nano_miles.local_engine.sampling import SamplingParams
 from nano_miles.metrics import EngineMetrics
 from nano_miles.local_engine.scheduler import PAUSE_MODES, Request, Scheduler, SchedulerStopped
-from nano_miles.weight_sync import apply_weight_update, load_weights_from_disk
+from nano_miles.dist_sync import WeightTransportError
+from nano_miles.local_engine.weight_group import WeightGroups
+from nano_miles.weight_sync import apply_weight_update, copy_into_model, load_weights_from_disk
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,10 @@ class EngineState:
     host: str
     port: int
     metrics: EngineMetrics | None = None  # Prometheus metrics served on GET /metrics
+    weight_groups: WeightGroups | None = None  # process groups joined for distributed weight updates
+
+    def __post_init__(self):
+        self.weight_groups = self.weight_groups or WeightGroups(self.device)
 
 
 class EngineHTTPServer(ThreadingHTTPServer):
@@ -215,6 +221,24 @@ class EngineHandler(BaseHTTPRequestHandler):
         self._update_weights(body, lambda model: load_weights_from_disk(model, model_path),
                              extra={"num_paused_requests": 0})
 
+    def init_weights_update_group(self):
+        self.server.state.weight_groups.init(self._body())  # blocks until every rank joined
+        self._json(200, {"success": True, "message": "Succeeded to initialize custom process group."})
+
+    def destroy_weights_update_group(self):
+        self.server.state.weight_groups.destroy(self._body())
+        self._json(200, {"success": True, "message": "Succeeded to destroy custom process group."})
+
+    def update_weights_from_distributed(self):
+        body = self._body()
+        try:
+            named = self.server.state.weight_groups.receive(body)  # on this thread: generation goes on
+        except WeightTransportError as e:
+            log.warning("weight broadcast failed: %s", e)
+            self._json(400, {"success": False, "message": f"Failed to receive weights: {e}"})
+            return
+        self._update_weights(body, lambda model: copy_into_model(model, named))
+
     def _update_weights(self, body: dict, load: Callable, extra: dict | None = None) -> None:
         """Run `load(model)` on the scheduler thread between two forwards; set weight_version."""
         version = body.get("weight_version")
@@ -257,4 +281,7 @@ ROUTES = {
     ("POST", "/continue_generation"): EngineHandler.continue_generation,
     ("POST", "/update_weights_from_tensor"): EngineHandler.update_weights_from_tensor,
     ("POST", "/update_weights_from_disk"): EngineHandler.update_weights_from_disk,
+    ("POST", "/init_weights_update_group"): EngineHandler.init_weights_update_group,
+    ("POST", "/update_weights_from_distributed"): EngineHandler.update_weights_from_distributed,
+    ("POST", "/destroy_weights_update_group"): EngineHandler.destroy_weights_update_group,
 }

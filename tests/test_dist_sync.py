@@ -1,0 +1,98 @@
+"""Distributed weight updates against a real local engine process: gloo group, broadcast, versions."""
+
+import pytest
+import torch
+
+from conftest import start_engine, stop_process
+from nano_miles.dist_sync import DistributedWeightSender
+from nano_miles.engine_client import EngineClient, EngineError
+from nano_miles.weight_sync import tied_names
+
+PROMPT = [3, 4, 5, 6]
+RESPONSE = [7, 8, 9, 10]
+
+
+def trainer_scores(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    return logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def perturb(model, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module")
+def engine(policy_dir, tmp_path_factory):
+    proc, url = start_engine(policy_dir, tmp_path_factory.mktemp("engine") / "engine.log")
+    yield url
+    stop_process(proc)
+
+
+def test_broadcast_update_matches_trainer_and_sets_version(engine, policy_dir):
+    from transformers import AutoModelForCausalLM
+
+    client = EngineClient(engine, timeout_s=60)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    assert tied_names(model) == {"lm_head.weight"}  # the tied head is never sent, as on the tensor path
+    before = torch.tensor(client.score(PROMPT, RESPONSE))
+    # small buckets: several /update_weights_from_distributed calls per update
+    sender = DistributedWeightSender([client], backend="gloo", timeout_s=30, max_bucket_bytes=64 << 10)
+    try:
+        for version in (1, 2):  # the second update reuses the group made by the first
+            perturb(model, seed=version)
+            client.pause("abort")
+            sender.push(model, version)
+            client.resume()
+            after = torch.tensor(client.score(PROMPT, RESPONSE))
+            assert (after - trainer_scores(model, PROMPT, RESPONSE)).abs().max() <= 1e-5
+            assert client.model_info()["weight_version"] == str(version)
+            assert (after - before).abs().max() > 1e-3
+            before = after
+        out = client.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True})
+        assert out["meta_info"]["weight_version"] == "2"
+    finally:
+        sender.close()
+    with pytest.raises(EngineError, match="no weight group"):  # the group is gone on the engine too
+        client._call("POST", "/destroy_weights_update_group", {"group_name": "weight_update_group"})
+
+
+def test_trainer_link_selects_broadcast_transport_by_config(engine, policy_dir):
+    """The trainer's own update path (pause -> push -> resume) with engine.weight_transport set."""
+    import zmq
+    from transformers import AutoModelForCausalLM
+
+    from nano_miles.config import load_config
+    from nano_miles.trainer_link import PipelineLink
+
+    port = engine.rsplit(":", 1)[1]
+    cfg = load_config(overrides=[f"--engine.port={port}", "--engine.weight_transport=distributed",
+                                 "--engine.weight_group_timeout_s=30"])
+    link = PipelineLink(cfg, zmq.Context.instance(), sync_state=dict)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    perturb(model, seed=3)
+    try:
+        link.update_weights(model, 5, tell_producer=False)
+        assert link.sender.group is not None and link.version == 5
+        client = EngineClient(engine, timeout_s=30)
+        assert client.model_info()["weight_version"] == "5"
+        got = torch.tensor(client.score(PROMPT, RESPONSE))
+        assert (got - trainer_scores(model, PROMPT, RESPONSE)).abs().max() <= 1e-5
+        assert client.generate(PROMPT, {"max_new_tokens": 1})["meta_info"]["weight_version"] == "5"  # resumed
+    finally:
+        link.sender.close()
+        link.control.close()
+
+
+def test_update_without_group_is_refused(engine):
+    client = EngineClient(engine, timeout_s=30)
+    served = client.model_info()["weight_version"]
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[128]],
+            "group_name": "weight_update_group", "weight_version": "9"}
+    with pytest.raises(EngineError, match="init_weights_update_group first"):
+        client._call("POST", "/update_weights_from_distributed", body)
+    assert client.model_info()["weight_version"] == served
