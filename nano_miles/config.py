@@ -308,16 +308,21 @@ def config_from_argv(argv: list[str]) -> tuple[Config, list[str]]:
     return load_config(path, overrides), rest
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def config_or_exit(argv: list[str], prog: str, doc: str) -> tuple[Config, list[str]]:
+    """What every entry point does first: `--help` prints `doc` and exits 0; a bad config prints
+    one line naming the key and exits 2 (a user mistake, never a traceback)."""
     if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
+        print(doc)
+        sys.exit(0)
     try:
-        cfg, rest = config_from_argv(argv)
+        return config_from_argv(argv)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        print(f"{prog}: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, rest = config_or_exit(sys.argv[1:] if argv is None else argv, "config", __doc__)
     if rest:
         print(f"config error: unexpected arguments {rest}", file=sys.stderr)
         return 2

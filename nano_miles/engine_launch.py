@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 
-from nano_miles.config import REPO_ROOT, Config, ConfigError, config_from_argv
+from nano_miles.config import REPO_ROOT, Config, config_or_exit
 
 FLAT_LOADER = "nano_miles.flat_sync.load_flat"  # imported by SGLang's scheduler by this dotted name
 
@@ -36,14 +36,7 @@ def engine_command(cfg: Config) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    try:
-        cfg, rest = config_from_argv(argv)
-    except ConfigError as e:
-        print(f"engine: config error: {e}", file=sys.stderr)
-        return 2
+    cfg, rest = config_or_exit(argv, "engine", __doc__)
     cmd = engine_command(cfg)
     if "--print" in rest:
         print(" ".join(cmd))

@@ -15,7 +15,7 @@ import sys
 import zmq
 
 from nano_miles.channels import ControlClient, ControlError, ControlTimeout
-from nano_miles.config import Config, ConfigError, config_from_argv
+from nano_miles.config import Config, config_or_exit
 from nano_miles.engine_client import EngineClient, EngineError
 from nano_miles.metrics import HOP_REWARD, HOP_TRAINER
 from nano_miles.metrics_read import scrape, stage_urls
@@ -82,11 +82,7 @@ def supervisor_view(cfg: Config) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg, _ = config_from_argv(argv)
-    except ConfigError as e:
-        print(f"status: config error: {e}", file=sys.stderr)
-        return 2
+    cfg, _ = config_or_exit(argv, "status", __doc__)
     ctx = zmq.Context()
     urls = stage_urls(cfg)
     rows = {"engine": engine_status(cfg), "rollout": producer_status(cfg, ctx),

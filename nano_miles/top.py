@@ -124,15 +124,8 @@ class View:
 
 
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    from nano_miles.config import ConfigError, config_from_argv
-    try:
-        cfg, rest = config_from_argv(argv)
-    except ConfigError as e:
-        print(f"top: config error: {e}", file=sys.stderr)
-        return 2
+    from nano_miles.config import config_or_exit
+    cfg, rest = config_or_exit(argv, "top", __doc__)
     is_once = "--once" in rest
     run_dir, interval_s = cfg.run_dir, 1.0
     for i, arg in enumerate(rest):

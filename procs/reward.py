@@ -10,15 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    from nano_miles.config import ConfigError, config_from_argv
-    try:
-        cfg, rest = config_from_argv(argv)
-    except ConfigError as e:
-        print(f"reward: config error: {e}", file=sys.stderr)
-        return 2
+    from nano_miles.config import config_or_exit
+    cfg, rest = config_or_exit(argv, "reward", __doc__)
     import zmq
     from nano_miles.pipeline import load_tokenizer, make_decoder, setup_process
     from nano_miles.reward_stage import RewardStage

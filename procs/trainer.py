@@ -11,15 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    from nano_miles.config import ConfigError, config_from_argv
-    try:
-        cfg, rest = config_from_argv(argv)
-    except ConfigError as e:
-        print(f"trainer: config error: {e}", file=sys.stderr)
-        return 2
+    from nano_miles.config import config_or_exit
+    cfg, rest = config_or_exit(argv, "trainer", __doc__)
     import logging
 
     import torch
