@@ -29,6 +29,11 @@ def report(run_dir: Path) -> tuple[str, bool]:
         f"  mean step time           {s['mean_step_s']:.2f}s (weight update {s['mean_update_ms']:.0f}ms)",
         f"  max staleness            {s['staleness_max']}",
     ]
+    if "ledger" in s:
+        led = s["ledger"]
+        lines.append(f"  prompts                  {led['num_prompts']}: {led['num_trained_once']} trained once, "
+                     f"{led['num_trained_twice']} twice, {led['num_lost']} lost, "
+                     f"{led.get('num_unfinished', 0)} unfinished at the end (ledger.json)")
     return "\n".join(lines), True
 
 
