@@ -26,7 +26,7 @@ DEFAULTS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.gro
 def run_variant(name: str, overrides: list[str], root: Path) -> dict:
     from nano_miles.supervised_run import SupervisedRun
     print(f"running {name} ...", flush=True)
-    run = SupervisedRun(root / name, overrides).start()
+    run = SupervisedRun(root / name.replace(" ", "_").replace("=", ""), overrides).start()
     try:
         if run.wait(timeout_s=3600) != 0 or not (run.run_dir / "summary.json").exists():
             raise SystemExit(f"{name} failed:\n{run.tail()}")

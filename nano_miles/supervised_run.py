@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ class SupervisedRun:
         self.overrides = endpoints + overrides  # what every stage of this run reads
         self.env = {**os.environ,
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                    "NANOMILES_OVERRIDES": " ".join(self.overrides)}
+                    "NANOMILES_OVERRIDES": " ".join(shlex.quote(o) for o in self.overrides)}
         self.proc: subprocess.Popen | None = None
         self.output = run_dir / "supervisord.out"
 
