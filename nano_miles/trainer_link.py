@@ -96,25 +96,31 @@ class PipelineLink:
         The split (pause / gather / serialize / apply / resume) is kept in `self.update_split_ms`."""
         mode = self.cfg.run.pause_mode
         t0 = time.perf_counter()
-        if tell_producer:
+        # Sync mode with nothing in flight (the version gate holds the producer until `resume`):
+        # there is nothing to pause, so the update skips two round trips to each side.
+        is_idle = (self.cfg.run.mode == "sync" and tell_producer
+                   and self.producer.get("num_inflight", 1) == 0)
+        if tell_producer and not is_idle:
             self.request("pause", mode=mode)
-        times = self.with_engine("weight update", lambda: self._push(model, version, mode))
+        times = self.with_engine("weight update", lambda: self._push(model, version, mode, is_idle))
         if tell_producer:
             self.request("resume", version=version)
         t3 = time.perf_counter()
         self.update_split_ms = {k: 1000 * v for k, v in times.items()}
         return t3 - t0
 
-    def _push(self, model, version: int, mode: str) -> dict[str, float]:
+    def _push(self, model, version: int, mode: str, is_idle: bool = False) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.engine.pause(mode)
+        if not is_idle:
+            self.engine.pause(mode)
         t1 = time.perf_counter()
         if self.sender is not None:  # a failed push dropped the group; this one builds a new one
             push = self.sender.push(model, version)
         else:
             push = push_weights(self.engine, model, version)
         t2 = time.perf_counter()
-        self.engine.resume()
+        if not is_idle:
+            self.engine.resume()
         self.version = version
         return {"pause": t1 - t0, "resume": time.perf_counter() - t2,
                 **{k[:-2]: v for k, v in push.items() if k != "total_s"}}
