@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from nano_miles.local_engine.spawn import REPO_ROOT, free_port, wait_for_http
+from nano_miles.local_engine.spawn import free_port, spawn_server
 
 # Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
 # capture costs start-up time and nothing measured here depends on decode speed.
@@ -26,17 +26,9 @@ def start_sglang(model_dir: Path | str, log_path: Path, *, dtype: str = "bfloat1
     cmd = [sys.executable, "-m", "nano_miles.engine_launch", f"--model.path={model_dir}",
            "--engine.kind=sglang", f"--engine.dtype={dtype}", f"--engine.port={port}",
            f"--engine.mem_fraction_static={mem_fraction_static}", f"--engine.extra_args={extra_args}"]
-    with open(log_path, "wb") as log:
-        # own process group: SGLang's scheduler and detokenizer children go down with it
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
-    except (RuntimeError, TimeoutError):
-        stop_sglang(proc)
-        raise RuntimeError(f"SGLang failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
-    return proc, url
+    # own process group (new session): SGLang's scheduler and detokenizer children go down with it
+    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop_sglang,
+                        is_new_session=True)
 
 
 def stop_sglang(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from nano_miles.channels import ControlServer, make_socket
 from nano_miles.control_msgs import COMMANDS, decode_reply, decode_request, encode_reply, encode_request
 from nano_miles.wire import WireError, decode_rollout, decode_scored, encode_rollout, encode_scored
-from test_wire import golden_messages, paths, raw
+from test_wire import edit_at, golden_messages, paths, raw
 
 # the first name of every field a WireError can point at
 FIELDS = ("message", "v", "kind", "cmd", "req_id", "args", "incarnation", "ok", "error", "result",
@@ -73,14 +73,7 @@ def mutated(draw):
         m["kind"] = draw(st.sampled_from(["rollout", "scored", "request", "reply", "x"]))
         return msgpack.packb(m)
     path = draw(st.sampled_from(list(paths(m))))
-    parent = m
-    for key in path[:-1]:
-        parent = parent[key]
-    if how == "delete":
-        del parent[path[-1]]
-    else:
-        parent[path[-1]] = draw(values)
-    return msgpack.packb(m)
+    return msgpack.packb(edit_at(m, path, how, draw(values)))
 
 
 @st.composite

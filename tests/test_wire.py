@@ -320,6 +320,18 @@ def paths(obj, prefix=()):
         yield from paths(child, prefix + (key,))
 
 
+def edit_at(m, path: tuple, how: str, value):
+    """Delete the item at `path` in nested maps/lists, or replace it with `value`; returns `m`."""
+    parent = m
+    for key in path[:-1]:
+        parent = parent[key]
+    if how == "delete":
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return m
+
+
 @FUZZ
 @given(st.data())
 def test_fuzz_mutated_messages(data):
@@ -335,14 +347,7 @@ def test_fuzz_mutated_messages(data):
     else:
         m = raw(message)
         path = data.draw(st.sampled_from(list(paths(m))))
-        parent = m
-        for key in path[:-1]:
-            parent = parent[key]
-        if how == "delete":
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = data.draw(msgpack_values)
-        mutated = msgpack.packb(m)
+        mutated = msgpack.packb(edit_at(m, path, how, data.draw(msgpack_values)))
     decode_all(mutated)
 
 

@@ -44,15 +44,23 @@ def start_local_engine(model_dir: Path | str, log_path: Path, *extra: str,
     port = free_port()
     cmd = [sys.executable, str(REPO_ROOT / "procs" / "engine.py"), "--model-path", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0", *extra]
+    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop_process)
+
+
+def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, stop, *,
+                 is_new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start an HTTP server process logging to `log_path`; return once `url`/health answers.
+
+    On failure the process is stopped with `stop(proc)` and the log's tail is in the error."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=is_new_session)
     try:
         wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
     except (RuntimeError, TimeoutError):
-        stop_process(proc)
-        raise RuntimeError(f"engine failed to start; log:\n{Path(log_path).read_text()[-3000:]}")
+        stop(proc)
+        raise RuntimeError(f"{cmd[1:3]} failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
     return proc, url
 
 
