@@ -32,6 +32,9 @@ def engine_command(cfg: Config) -> list[str]:
             "--dtype", dtype, "--random-seed", str(cfg.run.seed),
             # lets the trainer update weights through one mapped buffer (nano_miles/flat_sync.py)
             "--custom-weight-loader", FLAT_LOADER,
+            # in_place/retract pauses keep requests in the engine across an update, and SGLang cannot
+            # flush its prefix cache then: without one, no new request starts on KV of older weights
+            *(["--disable-radix-cache"] if cfg.run.pause_mode != "abort" else []),
             *shlex.split(e.extra_args)]
 
 

@@ -100,7 +100,9 @@ class PipelineLink:
         # there is nothing to pause, so the update skips two round trips to each side.
         is_idle = (self.cfg.run.mode == "sync" and tell_producer
                    and self.producer.get("num_inflight", 1) == 0)
-        if tell_producer and not is_idle:
+        # in_place and retract keep requests inside the engine, which queues new ones while paused:
+        # only an abort needs the producer to stop and collect its partial samples first.
+        if tell_producer and not is_idle and mode == "abort":
             self.request("pause", mode=mode)
         times = self.with_engine("weight update", lambda: self._push(model, version, mode, is_idle))
         if tell_producer:
@@ -116,8 +118,8 @@ class PipelineLink:
         t1 = time.perf_counter()
         if self.sender is not None:  # a failed push dropped the group; this one builds a new one
             push = self.sender.push(model, version)
-        else:
-            push = push_weights(self.engine, model, version)
+        else:  # in_place and retract leave requests holding KV: no prefix-cache flush then
+            push = push_weights(self.engine, model, version, flush_cache=is_idle or mode == "abort")
         t2 = time.perf_counter()
         if not is_idle:
             self.engine.resume()

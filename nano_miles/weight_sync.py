@@ -179,20 +179,22 @@ def trainable_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Ten
 
 
 def push_weights(client, model: torch.nn.Module, version: int, *,
-                 max_bucket_bytes: int = 512 << 20) -> dict[str, float]:
+                 max_bucket_bytes: int = 512 << 20, flush_cache: bool = True) -> dict[str, float]:
     """Send `model`'s weights to the engine behind `client` and tag them `version`.
 
-    The caller pauses generation first. Returns the time split in seconds:
+    The caller pauses generation first. `flush_cache=False` when requests stay in the engine across
+    the update (pause modes in_place and retract): SGLang cannot flush its prefix cache while requests
+    hold KV, so such engines run without one (--disable-radix-cache). Returns the time split in seconds:
     gather (collect/cast tensors), serialize (build handles) and apply (the engine's answer).
     """
     named = trainable_named_tensors(model)
     if named and named[0][1].is_cuda:
-        return _push_cuda_buckets(client, named, version, max_bucket_bytes)
+        return _push_cuda_buckets(client, named, version, max_bucket_bytes, flush_cache)
     t0 = time.perf_counter()
     serialized = serialize_named_tensors(named)
     t1 = time.perf_counter()
     # `named` (and with it the shared segments) stays referenced until the engine has answered.
-    client.update_weights_from_tensor([serialized], weight_version=str(version), flush_cache=True)
+    client.update_weights_from_tensor([serialized], weight_version=str(version), flush_cache=flush_cache)
     t2 = time.perf_counter()
     return {"gather_s": 0.0, "serialize_s": t1 - t0, "apply_s": t2 - t1, "total_s": t2 - t0}
 
@@ -222,7 +224,8 @@ def uses_update_sessions(client) -> bool:
     return cached
 
 
-def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int) -> dict[str, float]:
+def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int,
+                       flush_cache: bool = True) -> dict[str, float]:
     """CUDA-IPC path through SGLang's serializer (GPU only; needs `sglang` importable).
 
     One fresh `FlattenedTensorBucket` per bucket: the server answers once the copies out of it are
@@ -248,7 +251,7 @@ def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int) -> di
         t2 = time.perf_counter()
         is_last = i == len(buckets) - 1
         client.update_weights_from_tensor(
-            [serialized], load_format="flattened_bucket", flush_cache=is_last,
+            [serialized], load_format="flattened_bucket", flush_cache=flush_cache and is_last,
             weight_version=str(version) if is_last else None)
         t3 = time.perf_counter()
         del payload, flat

@@ -120,3 +120,26 @@ def test_async_run_overlaps_stays_bounded_and_learns(tmp_path):
     assert any(r["staleness_max"] > 0 for r in records), "the producer never ran ahead"
     s = run.summary()
     assert s["eval_accuracy_max"] > s["eval_accuracy_start"], s
+
+
+@pytest.mark.slow
+def test_async_with_in_place_pauses_keeps_every_sample(tmp_path):
+    """pause_mode in_place (the GPU default): the producer keeps sending through each update, the
+    engine holds its requests across it; nothing is lost, nothing is cut, versions still gate."""
+    max_staleness, num_steps = 1, 8
+    run = SupervisedRun(tmp_path / "run", [
+        "--run.mode=async", f"--run.max_staleness={max_staleness}", "--run.pause_mode=in_place",
+        f"--trainer.num_steps={num_steps}", "--trainer.batch_groups=4", "--rollout.group_size=4",
+        "--trainer.eval_every=0", "--task.num_test=10"]).start()
+    try:
+        assert run.wait(timeout_s=300) == 0, run.tail()
+    finally:
+        run.stop()
+    records = run.metrics()
+    assert [r["step"] for r in records] == list(range(1, num_steps + 1))
+    assert all(r["staleness_max"] <= max_staleness for r in records)
+    assert sum(r["num_resumed_samples"] for r in records) == 0  # no sample was cut and resumed
+    s = run.summary()
+    assert s["engine_final_version"] == str(num_steps)
+    assert s["ledger"]["num_lost"] == 0 and s["ledger"]["num_trained_twice"] == 0
+    assert s["ledger"]["num_trained_once"] == num_steps * 4

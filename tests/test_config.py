@@ -58,6 +58,10 @@ def test_engine_command_lines(tmp_path):
     assert sg[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in sg
     assert sg[sg.index("--model-path") + 1] == str(tmp_path) and sg[sg.index("--dtype") + 1] == "bfloat16"
     assert "--mem-fraction-static" in sg and sg[sg.index("--weight-version") + 1] == "0"
+    assert "--disable-radix-cache" not in sg  # abort pauses empty the engine: its cache can be flushed
+    in_place = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
+                                                     "--run.pause_mode=in_place"]))
+    assert "--disable-radix-cache" in in_place
 
 
 def test_run_end_listener_decisions():
@@ -66,3 +70,16 @@ def test_run_end_listener_decisions():
     assert decide("PROCESS_STATE_EXITED", parse_payload("processname:trainer expected:0 pid:3")) is None
     assert decide("PROCESS_STATE_EXITED", parse_payload("processname:reward expected:1 pid:3")) is None
     assert "engine" in decide("PROCESS_STATE_FATAL", parse_payload("processname:engine from_state:BACKOFF"))
+
+
+def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "nano_miles.engine_launch", f"--model.path={tmp_path}",
+                             "--print"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model.path" in result.stderr and "config.json" in result.stderr
+    (tmp_path / "config.json").write_text("{}")
+    result = subprocess.run([sys.executable, "-m", "nano_miles.engine_launch", f"--model.path={tmp_path}",
+                             "--print"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and str(tmp_path) in result.stdout
