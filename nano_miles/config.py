@@ -315,7 +315,11 @@ def config_or_exit(argv: list[str], prog: str, doc: str) -> tuple[Config, list[s
         print(doc)
         sys.exit(0)
     try:
-        return config_from_argv(argv)
+        cfg, rest = config_from_argv(argv)
+        if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+            raise ConfigError(f"model.path {cfg.model.path!r} is not a local HF model directory "
+                              "(no config.json there)")
+        return cfg, rest
     except ConfigError as e:
         print(f"{prog}: config error: {e}", file=sys.stderr)
         sys.exit(2)
