@@ -1,5 +1,7 @@
 """The project's own small starting policy: a tiny Qwen2 causal LM warmed up on the arithmetic task.
-Run: python -m nano_miles.policy build --out DIR [--seed N] | python -m nano_miles.policy eval --model DIR
+Run: python -m nano_miles.policy build --out DIR [--seed N] [--shape medium --device cuda]
+     python -m nano_miles.policy sweep --out DIR --shape medium --device cuda --num-steps N --eval-every K
+     python -m nano_miles.policy eval --model DIR
 
 There is no model hub here, so the policy is built from scratch: a byte-level tokenizer with no
 merges (one token per ASCII character; `<answer>` and `</answer>` are single tokens), a
@@ -13,6 +15,7 @@ No BOS and no chat template. The response is `worked step <answer>N</answer>` th
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -52,13 +55,20 @@ def byte_symbols() -> list[str]:
 # Token id of byte b is len(SPECIALS) + b. decode(encode(s)) == s for any NFC-normalized text.
 VOCAB = [*SPECIALS, *byte_symbols()]
 
-MODEL_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-# Warm-up schedule. NUM_WARMUP_STEPS was picked once from a sweep (see assets/policy/README.md)
-# and is fixed, so the build never looks at test accuracy.
-NUM_WARMUP_STEPS = 480
-BATCH_SIZE = 64
-PEAK_LR = 3e-3
+MAX_POSITIONS = 256
+# "small" is the shipped CPU policy. "medium" (3.2 M parameters, 4x) is the GPU policy: its warm-up
+# takes minutes on one GPU, and it can learn the task to high accuracy.
+MODEL_SHAPES = {
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS),
+    "medium": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS),
+}
+# Warm-up schedule per shape: (steps, batch size, peak lr). The step counts were picked once from a
+# sweep (see assets/policy/README.md and bench/results/gpu/README.md) and are fixed, so a build
+# never looks at test accuracy.
+WARMUP = {"small": (480, 64, 3e-3), "medium": (450, 256, 1e-3)}
+NUM_WARMUP_STEPS, BATCH_SIZE, PEAK_LR = WARMUP["small"]
 NUM_LR_RAMP_STEPS = 20
 MAX_NEW_TOKENS = 40
 
@@ -85,15 +95,15 @@ def build_tokenizer():
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ANSWER_TAGS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK,
                                    clean_up_tokenization_spaces=False,
-                                   model_max_length=MODEL_SHAPE["max_position_embeddings"])
+                                   model_max_length=MAX_POSITIONS)
 
 
-def build_model(seed: int):
+def build_model(seed: int, shape: str = "small"):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=len(VOCAB), tie_word_embeddings=True, pad_token_id=VOCAB.index(PAD),
-                         eos_token_id=VOCAB.index(EOS), bos_token_id=None, **MODEL_SHAPE)
+                         eos_token_id=VOCAB.index(EOS), bos_token_id=None, **MODEL_SHAPES[shape])
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).float()
 
@@ -117,27 +127,27 @@ def make_batch(tokenizer, expressions) -> dict:
     }
 
 
-def lr_at(step: int) -> float:
+def lr_at(step: int, peak_lr: float = PEAK_LR) -> float:
     """Linear ramp, then constant: a run stopped at step k equals the first k steps of a longer one,
     so the stopping step could be chosen from a single long sweep."""
-    return PEAK_LR * min(1.0, (step + 1) / NUM_LR_RAMP_STEPS)
+    return peak_lr * min(1.0, (step + 1) / NUM_LR_RAMP_STEPS)
 
 
 def warm_up(model, tokenizer, *, seed: int, num_steps: int, batch_size: int = BATCH_SIZE,
-            on_step=None) -> None:
+            peak_lr: float = PEAK_LR, on_step=None) -> None:
     """Supervised warm-up on train problems in a seeded order (cycled if steps outrun the split)."""
     import torch
 
     expressions = make_expressions("train", num_problems("train"), seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, weight_decay=0.0, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     start_s = time.monotonic()
     for step in range(num_steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(step, peak_lr)
         first = step * batch_size
         batch = make_batch(tokenizer, [expressions[i % len(expressions)] for i in range(first, first + batch_size)])
-        loss = model(**batch).loss
+        loss = model(**{k: v.to(model.device) for k, v in batch.items()}).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -165,14 +175,45 @@ def save_policy(model, tokenizer, out_dir: Path) -> None:
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def build_policy(out_dir, *, seed: int = 0, num_steps: int = NUM_WARMUP_STEPS) -> Path:
-    """Build the tokenizer and model from `seed`, warm up for `num_steps`, save to `out_dir`."""
+def build_policy(out_dir, *, seed: int = 0, shape: str = "small", num_steps: int | None = None,
+                 device: str = "cpu", on_step=None) -> Path:
+    """Build the tokenizer and model from `seed`, warm up (the shape's schedule), save to `out_dir`."""
     out_dir = Path(out_dir)
+    default_steps, batch_size, peak_lr = WARMUP[shape]
     tokenizer = build_tokenizer()
-    model = build_model(seed)
-    warm_up(model, tokenizer, seed=seed, num_steps=num_steps)
-    save_policy(model, tokenizer, out_dir)
+    model = build_model(seed, shape).to(device)
+    warm_up(model, tokenizer, seed=seed, num_steps=default_steps if num_steps is None else num_steps,
+            batch_size=batch_size, peak_lr=peak_lr, on_step=on_step)
+    save_policy(model.cpu(), tokenizer, out_dir)
     return out_dir
+
+
+def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device: str, seed: int = 0,
+          num_eval: int = 200) -> list[dict]:
+    """One long warm-up, evaluated every `eval_every` steps; each evaluated snapshot is saved as
+    out_dir/step<N>, the table as out_dir/sweep.json. With the constant learning rate after the ramp,
+    snapshot N is exactly what `build --num-steps N` makes, so a step count can be picked from here."""
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, problems, rows = build_tokenizer(), make_problems("test", num_eval), []
+    start_s = time.monotonic()
+
+    def on_step(step: int, model) -> None:
+        if step % eval_every and step != num_steps:
+            return
+        model.eval()
+        torch.manual_seed(seed)
+        row = {"step": step, "warmup_s": round(time.monotonic() - start_s, 1),
+               **evaluate_model(model, tokenizer, problems)}
+        model.train()
+        save_policy(copy.deepcopy(model).cpu(), tokenizer, out_dir / f"step{step}")
+        rows.append(row)
+        (out_dir / "sweep.json").write_text(json.dumps({"shape": shape, "seed": seed, "rows": rows}, indent=2))
+        print("sweep " + " ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+
+    build_policy(out_dir / "last", seed=seed, shape=shape, num_steps=num_steps, device=device, on_step=on_step)
+    return rows
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -258,7 +299,17 @@ def parse_args(argv):
     build = sub.add_parser("build", help="build the tokenizer and model from a seed and warm them up")
     build.add_argument("--out", type=Path, required=True, help="output directory (HF format)")
     build.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order")
-    build.add_argument("--num-steps", type=int, default=NUM_WARMUP_STEPS, help="supervised warm-up steps")
+    build.add_argument("--num-steps", type=int, default=None, help="supervised warm-up steps (default: the shape's)")
+    sweep_cmd = sub.add_parser("sweep", help="one long warm-up, evaluated and saved every --eval-every steps")
+    sweep_cmd.add_argument("--out", type=Path, required=True, help="directory for step<N>/ snapshots and sweep.json")
+    sweep_cmd.add_argument("--num-steps", type=int, required=True, help="supervised warm-up steps")
+    sweep_cmd.add_argument("--eval-every", type=int, required=True, help="evaluate and save every N steps")
+    sweep_cmd.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order")
+    sweep_cmd.add_argument("--num-eval", type=int, default=200, help="number of test problems per evaluation")
+    for cmd in (build, sweep_cmd):
+        cmd.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="small",
+                         help="model size: small (the shipped CPU policy) or medium (the GPU policy)")
+        cmd.add_argument("--device", default="cpu", help="torch device of the warm-up, e.g. cuda")
     evaluate = sub.add_parser("eval", help="greedy accuracy, format rate and pass@k on held-out problems")
     evaluate.add_argument("--model", type=Path, required=True, help="any local HF causal-LM directory")
     evaluate.add_argument("--num", type=int, default=200, help="number of test problems")
@@ -271,8 +322,11 @@ def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     start_s = time.monotonic()
     if args.command == "build":
-        build_policy(args.out, seed=args.seed, num_steps=args.num_steps)
+        build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device)
         print(f"built {args.out} in {time.monotonic() - start_s:.0f}s")
+    elif args.command == "sweep":
+        sweep(args.out, shape=args.shape, num_steps=args.num_steps, eval_every=args.eval_every,
+              device=args.device, seed=args.seed, num_eval=args.num_eval)
     else:
         result = evaluate_dir(args.model, num=args.num, num_samples=args.num_samples, seed=args.seed)
         print(" ".join(f"{k} {v:.3f}" for k, v in result.items()) + f" ({time.monotonic() - start_s:.0f}s)")

@@ -71,3 +71,26 @@ def test_greedy_accuracy_is_low_but_not_zero(model, tokenizer):
     result = evaluate_model(model, tokenizer, make_problems("test", 50), num_samples=0)
     assert 0.0 < result["greedy_accuracy"] < 0.5
     assert result["format"] >= 0.8
+
+
+def test_sweep_snapshot_equals_a_build_of_that_many_steps(tmp_path):
+    """The warm-up step count is picked from a sweep; that only works if snapshot N of the sweep is
+    the policy `build --num-steps N` makes (constant learning rate after the ramp, evaluation leaves
+    the training state alone)."""
+    from nano_miles.policy import build_policy, sweep
+    rows = sweep(tmp_path / "sweep", shape="small", num_steps=4, eval_every=2, device="cpu", num_eval=4)
+    assert [r["step"] for r in rows] == [2, 4] and all(0 <= r["greedy_accuracy"] <= 1 for r in rows)
+    build_policy(tmp_path / "built", shape="small", num_steps=2)
+    with safe_open(str(tmp_path / "sweep" / "step2" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "built" / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for name in a.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    saved = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert saved["rows"] == rows
+
+
+def test_medium_shape_is_four_times_the_small_one():
+    from nano_miles.policy import build_model
+    sizes = {shape: sum(p.numel() for p in build_model(0, shape).parameters()) for shape in ("small", "medium")}
+    assert 3.0e6 < sizes["medium"] < 3.5e6 and 3.5 < sizes["medium"] / sizes["small"] < 4.5
