@@ -320,6 +320,11 @@ def parse_args(argv):
 
 def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "device", "cpu").startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit(f"python -m nano_miles.policy {args.command}: --device {args.device}, but torch "
+                     f"{torch.__version__} sees no CUDA device here")
     start_s = time.monotonic()
     if args.command == "build":
         build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device)
