@@ -1,13 +1,32 @@
 """Shared fixtures: the project's small policy and a real local engine process serving it."""
 
+import importlib.util
+import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from nano_miles.local_engine.spawn import REPO_ROOT as REPO
 from nano_miles.local_engine.spawn import free_port, start_local_engine, stop_process
 
-__all__ = ["REPO", "free_port", "start_engine", "stop_process"]
+__all__ = ["GPU_ONLY", "REPO", "free_port", "report", "start_engine", "stop_process"]
+
+IS_GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
+# GPU tests: marked `gpu`, skipped where there is no CUDA device or no sglang (as in CI)
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not IS_GPU, reason="needs a CUDA GPU and sglang")]
+
+
+def report(key: str, value) -> None:
+    """Print a measured figure and keep it in $NANOMILES_GPU_REPORT (a JSON object) if set."""
+    print(f"GPU-REPORT {key} = {value}")
+    path = os.environ.get("NANOMILES_GPU_REPORT")
+    if path:
+        data = json.loads(open(path).read()) if os.path.exists(path) else {}
+        data[key] = value
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,41 @@
+"""A short sync GRPO run on a GPU under the real supervisord: SGLang in the engine slot, the trainer on
+CUDA, a CUDA-IPC weight update after every step. Skipped where there is no CUDA device or no sglang.
+Run on a GPU host: python -m pytest -m gpu tests/test_gpu_pipeline.py -s
+"""
+
+import pytest
+
+from conftest import GPU_ONLY, report
+
+pytestmark = GPU_ONLY
+
+
+@pytest.mark.slow
+def test_sync_pipeline_learns_on_gpu(tmp_path):
+    from nano_miles.sglang_spawn import DEFAULT_EXTRA_ARGS
+    from nano_miles.supervised_run import SupervisedRun
+
+    num_steps = 60
+    run = SupervisedRun(tmp_path / "run", [
+        "--engine.kind=sglang", "--engine.dtype=bfloat16", "--engine.mem_fraction_static=0.3",
+        f"--engine.extra_args='{DEFAULT_EXTRA_ARGS}'", "--trainer.device=cuda",
+        f"--trainer.num_steps={num_steps}", "--trainer.batch_groups=16", "--rollout.group_size=8",
+        "--trainer.lr=2e-4", "--trainer.eval_every=10", "--task.num_test=200",
+        "--trainer.checkpoint_every=30", "--rollout.max_inflight_groups=32"]).start()
+    try:
+        assert run.wait(timeout_s=540) == 0, run.tail()
+    finally:
+        run.stop()
+    records = run.metrics()
+    s = run.summary()
+    report("pipeline_summary", s)
+    report("pipeline_eval_curve", [(r["step"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r])
+    report("pipeline_update_ms_median", sorted(r["update_ms"] for r in records)[len(records) // 2])
+    report("pipeline_parity_mean", sum(r["parity"] for r in records) / len(records))
+    assert [r["step"] for r in records] == list(range(1, num_steps + 1))
+    assert all(r["version"] == r["step"] for r in records), "engine weights must follow every step"
+    assert all(r["staleness_max"] == 0 for r in records)
+    # One earlier H200 run: held-out accuracy 0.225 -> 0.28, reward 0.263 -> 0.274, about what the
+    # CPU run reaches in its first 60 steps. At lr 5e-4 the small policy collapses (on CPU as well).
+    assert s["eval_accuracy_max"] >= s["eval_accuracy_start"] + 0.03, s
+    assert s["reward_late"] > s["reward_early"], s
