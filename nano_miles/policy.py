@@ -68,7 +68,6 @@ MODEL_SHAPES = {
 # sweep (see assets/policy/README.md and bench/results/gpu/README.md) and are fixed, so a build
 # never looks at test accuracy.
 WARMUP = {"small": (480, 64, 3e-3), "medium": (450, 256, 1e-3)}
-NUM_WARMUP_STEPS, BATCH_SIZE, PEAK_LR = WARMUP["small"]
 NUM_LR_RAMP_STEPS = 20
 MAX_NEW_TOKENS = 40
 
@@ -127,14 +126,14 @@ def make_batch(tokenizer, expressions) -> dict:
     }
 
 
-def lr_at(step: int, peak_lr: float = PEAK_LR) -> float:
+def lr_at(step: int, peak_lr: float) -> float:
     """Linear ramp, then constant: a run stopped at step k equals the first k steps of a longer one,
     so the stopping step could be chosen from a single long sweep."""
     return peak_lr * min(1.0, (step + 1) / NUM_LR_RAMP_STEPS)
 
 
-def warm_up(model, tokenizer, *, seed: int, num_steps: int, batch_size: int = BATCH_SIZE,
-            peak_lr: float = PEAK_LR, on_step=None) -> None:
+def warm_up(model, tokenizer, *, seed: int, num_steps: int, batch_size: int, peak_lr: float,
+            on_step=None) -> None:
     """Supervised warm-up on train problems in a seeded order (cycled if steps outrun the split)."""
     import torch
 
@@ -175,15 +174,21 @@ def save_policy(model, tokenizer, out_dir: Path) -> None:
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def build_policy(out_dir, *, seed: int = 0, shape: str = "small", num_steps: int | None = None,
-                 device: str = "cpu", on_step=None) -> Path:
-    """Build the tokenizer and model from `seed`, warm up (the shape's schedule), save to `out_dir`."""
-    out_dir = Path(out_dir)
+def warmed_up_model(tokenizer, *, seed: int, shape: str, num_steps: int | None, device: str, on_step=None):
+    """The model of `shape` from `seed` after its warm-up (the shape's schedule; `num_steps` if given)."""
     default_steps, batch_size, peak_lr = WARMUP[shape]
-    tokenizer = build_tokenizer()
     model = build_model(seed, shape).to(device)
     warm_up(model, tokenizer, seed=seed, num_steps=default_steps if num_steps is None else num_steps,
             batch_size=batch_size, peak_lr=peak_lr, on_step=on_step)
+    return model
+
+
+def build_policy(out_dir, *, seed: int = 0, shape: str = "small", num_steps: int | None = None,
+                 device: str = "cpu") -> Path:
+    """Build the tokenizer and model from `seed`, warm up (the shape's schedule), save to `out_dir`."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device)
     save_policy(model.cpu(), tokenizer, out_dir)
     return out_dir
 
@@ -212,7 +217,7 @@ def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device:
         (out_dir / "sweep.json").write_text(json.dumps({"shape": shape, "seed": seed, "rows": rows}, indent=2))
         print("sweep " + " ".join(f"{k} {v}" for k, v in row.items()), flush=True)
 
-    build_policy(out_dir / "last", seed=seed, shape=shape, num_steps=num_steps, device=device, on_step=on_step)
+    warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device, on_step=on_step)
     return rows
 
 
