@@ -21,6 +21,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
+
+
+def keeps_requests(pause_mode: str) -> bool:
+    """Whether an engine paused in this mode still holds its requests across a weight update (in_place,
+    retract). After an abort it holds none: the producer collects the partial samples, and the
+    engine's prefix cache can be flushed with the update."""
+    return pause_mode != "abort"
 
 
 class ConfigError(ValueError):
@@ -39,8 +47,8 @@ class RunConfig:
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"run.mode must be 'sync' or 'async', not {self.mode!r}")
-        if self.pause_mode not in ("abort", "retract", "in_place"):
-            raise ConfigError(f"run.pause_mode must be abort, retract or in_place, not {self.pause_mode!r}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"run.pause_mode must be one of {', '.join(PAUSE_MODES)}, not {self.pause_mode!r}")
         if self.max_staleness < 0:
             raise ConfigError("run.max_staleness must be >= 0")
 

@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import msgpack
 
+from nano_miles.config import PAUSE_MODES
 from nano_miles.wire import SCHEMA_VERSION, WireError, get, parse_group_id, unpack_message
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_ID_CHARS = 128          # req_id, incarnation
 MAX_GROUP_IDS = 1 << 20     # ids in one commit or sync: a whole epoch of a large dataset
 MAX_RESULT_DEPTH = 8        # nesting of a reply's result

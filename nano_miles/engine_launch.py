@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 
-from nano_miles.config import REPO_ROOT, Config, config_or_exit
+from nano_miles.config import REPO_ROOT, Config, config_or_exit, keeps_requests
 
 FLAT_LOADER = "nano_miles.flat_sync.load_flat"  # imported by SGLang's scheduler by this dotted name
 
@@ -32,9 +32,9 @@ def engine_command(cfg: Config) -> list[str]:
             "--dtype", dtype, "--random-seed", str(cfg.run.seed),
             # lets the trainer update weights through one mapped buffer (nano_miles/flat_sync.py)
             "--custom-weight-loader", FLAT_LOADER,
-            # in_place/retract pauses keep requests in the engine across an update, and SGLang cannot
-            # flush its prefix cache then: without one, no new request starts on KV of older weights
-            *(["--disable-radix-cache"] if cfg.run.pause_mode != "abort" else []),
+            # paused requests kept across an update stop SGLang flushing its prefix cache: without
+            # one, no new request starts on KV of older weights
+            *(["--disable-radix-cache"] if keeps_requests(cfg.run.pause_mode) else []),
             *shlex.split(e.extra_args)]
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 import zmq
 
 from nano_miles.channels import ControlClient, ControlTimeout
-from nano_miles.config import Config
+from nano_miles.config import Config, keeps_requests
 from nano_miles.dist_sync import DistributedWeightSender, WeightTransportError
 from nano_miles.engine_client import EngineClient, EngineError
 from nano_miles.engine_group import make_engine
@@ -100,9 +100,9 @@ class PipelineLink:
         # there is nothing to pause, so the update skips two round trips to each side.
         is_idle = (self.cfg.run.mode == "sync" and tell_producer
                    and self.producer.get("num_inflight", 1) == 0)
-        # in_place and retract keep requests inside the engine, which queues new ones while paused:
-        # only an abort needs the producer to stop and collect its partial samples first.
-        if tell_producer and not is_idle and mode == "abort":
+        # A kept request needs nothing from the producer, and the engine queues new ones while
+        # paused: only an abort needs the producer to stop and collect its partial samples first.
+        if tell_producer and not is_idle and not keeps_requests(mode):
             self.request("pause", mode=mode)
         times = self.with_engine("weight update", lambda: self._push(model, version, mode, is_idle))
         if tell_producer:
@@ -118,8 +118,8 @@ class PipelineLink:
         t1 = time.perf_counter()
         if self.sender is not None:  # a failed push dropped the group; this one builds a new one
             push = self.sender.push(model, version)
-        else:  # in_place and retract leave requests holding KV: no prefix-cache flush then
-            push = push_weights(self.engine, model, version, flush_cache=is_idle or mode == "abort")
+        else:  # kept requests hold KV: SGLang cannot flush its prefix cache then
+            push = push_weights(self.engine, model, version, flush_cache=is_idle or not keeps_requests(mode))
         t2 = time.perf_counter()
         if not is_idle:
             self.engine.resume()

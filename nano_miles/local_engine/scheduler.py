@@ -21,7 +21,6 @@ from nano_miles.local_engine.sampling import SamplingParams, make_generator, sam
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_PREFILL_TOKENS = 16384  # padded tokens per prefill forward; bounds the memory of a burst of arrivals
 IDLE_WAIT_S = 0.5
 

@@ -20,7 +20,8 @@ from nano_miles.local_engine import ENGINE_VERSION
 from nano_miles.local_engine.protocol import generate_response, parse_generate
 from nano_miles.local_engine.sampling import SamplingParams
 from nano_miles.metrics import EngineMetrics
-from nano_miles.local_engine.scheduler import PAUSE_MODES, Request, Scheduler, SchedulerStopped
+from nano_miles.config import PAUSE_MODES
+from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped
 from nano_miles.dist_sync import WeightTransportError
 from nano_miles.local_engine.weight_group import WeightGroups
 from nano_miles.weight_sync import apply_weight_update, copy_into_model, load_weights_from_disk
