@@ -36,16 +36,20 @@ class TrainerState:
         return {g for ids in self.trained_by_step.values() for g in ids}
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
 
 
 def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
@@ -61,7 +65,7 @@ def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
     if final.exists():  # the same step saved again after a restart: replace it whole
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_tree(root)
+    _fsync_dir(root)  # the rename itself; the files were synced before it
     for old in complete_checkpoints(root)[:-KEEP_LAST]:
         shutil.rmtree(old, ignore_errors=True)
     return final
