@@ -52,6 +52,11 @@ class RunConfig:
         if self.max_staleness < 0:
             raise ConfigError("run.max_staleness must be >= 0")
 
+    @property
+    def effective_max_staleness(self) -> int:
+        """The bound both the producer's version gate and the trainer's stale-drop use: sync is 0."""
+        return self.max_staleness if self.mode == "async" else 0
+
 
 @dataclass
 class ModelConfig:

@@ -83,7 +83,7 @@ class RolloutProducer:
         self.control = ControlServer(ctx, cfg.rollout.control_endpoint, {
             "pause": self.on_pause, "resume": self.on_resume, "status": self.on_status,
             "sync": self.on_sync, "commit": self.on_commit})
-        self.max_staleness = cfg.run.max_staleness if cfg.run.mode == "async" else 0
+        self.max_staleness = cfg.run.effective_max_staleness
         self.metrics = RolloutMetrics(cfg, self.state)
 
     # ------------------------------------------------------------ control commands (idempotent)

@@ -41,7 +41,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
-        self.max_staleness = cfg.run.max_staleness if cfg.run.mode == "async" else 0
+        self.max_staleness = cfg.run.effective_max_staleness
         self.state = TrainerState()
         self.trained_ids: set[str] = set()
         self.positions = Ledger(cfg.task.num_train, lease_s=1.0)  # only for id <-> dataset position
