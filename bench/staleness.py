@@ -45,10 +45,11 @@ def slug(name: str) -> str:
 
 
 def read_run(name: str, run_dir: Path) -> dict:
+    from nano_miles.run_artifacts import read_jsonl
     """One run's row. Its clock starts when step 1 starts: what comes before (engine start-up, the
     first evaluation, which on a fresh GPU host includes compiling kernels) is not training speed."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     t0 = records[0]["elapsed_s"] - records[0]["step_s"]
     train_s = records[-1]["elapsed_s"] - t0
     summary["evals"] = [[step, acc, max(0.0, t - t0)] for step, acc, t in summary["evals"]]

@@ -158,20 +158,10 @@ class TrainerMetrics(StageMetrics):
         self.step = Gauge("nanomiles_step", "Last finished training step", registry=r)
         self.weight_version.set_function(lambda: trainer.version)
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
-        self.eval_s = 0.0
         self.num_received_tokens = self.num_trained_tokens = 0
         self.incarnation: str | None = None
-        evaluator = trainer.evaluator
-        trainer.evaluator = lambda engine: self._timed_eval(evaluator, engine)  # eval is not step work
         from nano_miles.run_artifacts import RunArtifacts
         self.artifacts = RunArtifacts(cfg)
-
-    def _timed_eval(self, evaluator, engine) -> float:
-        started = time.perf_counter()
-        try:
-            return evaluator(engine)
-        finally:
-            self.eval_s += time.perf_counter() - started
 
     def received(self, scored) -> None:
         g = scored.group
@@ -186,7 +176,7 @@ class TrainerMetrics(StageMetrics):
         rest); train is what remains of the step after pull, update and eval. In async mode groups
         are generated before the pull starts, so generate is ~0 there: the trainer did not wait."""
         step_s, wait_s = record["step_s"], record["wait_s"]
-        update_s, eval_s = record["update_ms"] / 1000, self.eval_s
+        update_s, eval_s = record["update_ms"] / 1000, record.get("eval_s", 0.0)
         pull_start = time.time() - step_s
         times = [t for t in self.received_times if t[2] >= pull_start] or self.received_times
         generate_s = score_s = 0.0
@@ -200,7 +190,7 @@ class TrainerMetrics(StageMetrics):
 
     def step_done(self, record: dict) -> None:
         phases = record["phase_s"] = self.step_phases(record)
-        self.received_times, self.eval_s = [], 0.0
+        self.received_times = []
         for phase, seconds in phases.items():
             self.phase_seconds.labels(phase).observe(seconds)
         for part, ms in record.get("update_split_ms", {}).items():
@@ -221,8 +211,8 @@ class TrainerMetrics(StageMetrics):
         self.incarnation = incarnation
         self.artifacts.log_step(record)
 
-    def finish(self) -> None:
-        self.artifacts.close()
+    def finish(self, steps: list[dict]) -> None:
+        self.artifacts.close(steps)
 
 
 class EngineMetrics:

@@ -38,7 +38,8 @@ class TensorBoardSink:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
 
-    def close(self) -> None:
+    def close(self, steps: list[dict]) -> None:
+        """Stop the sinks; `steps` (one record per step, as the trainer kept them) feed the plots."""
         self.writer.close()
 
 
@@ -50,7 +51,8 @@ class WandbSink:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
-    def close(self) -> None:
+    def close(self, steps: list[dict]) -> None:
+        """Stop the sinks; `steps` (one record per step, as the trainer kept them) feed the plots."""
         self.run.finish()
 
 
@@ -104,21 +106,22 @@ class RunArtifacts:
         for sink in self.sinks:
             sink.log(record["step"], values)
 
-    def close(self) -> None:
+    def close(self, steps: list[dict]) -> None:
+        """Stop the sinks; `steps` (one record per step, as the trainer kept them) feed the plots."""
         if self.recorder is not None:
             self.recorder.stopped.set()
             self.recorder.join(timeout=5)
         for sink in self.sinks:
             sink.close()
         if self.cfg.metrics.plots:
-            write_plots(self.run_dir)
+            write_plots(self.run_dir, steps)
 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def write_plots(run_dir: Path) -> list[Path]:
+def write_plots(run_dir: Path, steps: list[dict]) -> list[Path]:
     """reward_accuracy.png (per step) and queue_depth.png (over time) in the run directory."""
     try:
         import matplotlib
@@ -128,7 +131,7 @@ def write_plots(run_dir: Path) -> list[Path]:
         log.info("matplotlib is not installed: no plots written (pip install -e '.[bench]')")
         return []
     written = []
-    steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward" in r]
+    steps = [r for r in steps if "reward" in r]
     if steps:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         xs = [r["step"] for r in steps]

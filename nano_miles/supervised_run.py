@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nano_miles.local_engine.spawn import REPO_ROOT as REPO
 from nano_miles.local_engine.spawn import free_port
+from nano_miles.run_artifacts import read_jsonl
 
 
 class SupervisedRun:
@@ -78,8 +79,7 @@ class SupervisedRun:
         return "\n".join(parts)
 
     def metrics(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return read_jsonl(self.run_dir / "metrics.jsonl")
 
     def summary(self) -> dict:
         return json.loads((self.run_dir / "summary.json").read_text())

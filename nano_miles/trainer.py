@@ -24,6 +24,7 @@ from nano_miles.grpo import assemble_batch, token_logprobs
 from nano_miles.ledger import Ledger
 from nano_miles.loss import LossConfig, ppo_loss, truncated_is_weights
 from nano_miles.metrics import TrainerMetrics
+from nano_miles.run_artifacts import read_jsonl
 from nano_miles.run_log import StepStats, format_step_line, ledger_report, summarize
 from nano_miles.trainer_link import PipelineLink
 from nano_miles.wire import ScoredGroup, WireError, decode_scored
@@ -85,8 +86,10 @@ class Trainer:
                       "update_split_ms": self.link.update_split_ms, **self.flow_stats(),
                       "group_ids": self.state.trained_by_step[self.step]}
             if self.is_due(self.cfg.trainer.eval_every):
+                eval_started = time.perf_counter()
                 self.state.evals.append(self.evaluate())
                 record["eval_accuracy"] = self.state.evals[-1][1]
+                record["eval_s"] = time.perf_counter() - eval_started  # part of this step, not training
             record["step_s"] = time.perf_counter() - started
             record["elapsed_s"] = self.state.elapsed_s = time.perf_counter() - self.started
             record["drops"] = dict(self.drops)
@@ -129,7 +132,8 @@ class Trainer:
         report = ledger_report(self.state, status.get("outstanding_group_ids", []), self.positions,
                                status.get("dropped_for_good", {}))
         (self.run_dir / "ledger.json").write_text(json.dumps(report, indent=2))
-        summary = summarize(self.read_metrics(), self.state.evals)
+        steps = self.read_metrics()
+        summary = summarize(steps, self.state.evals)
         wall_s = time.perf_counter() - self.started
         busy_end = self.link.engine_busy_s()
         summary.update(wall_s=wall_s, ledger={k: v for k, v in report.items() if k.startswith("num_")},
@@ -138,12 +142,12 @@ class Trainer:
                        final_parity=self.final_parity(),
                        engine_repushes=self.link.num_engine_repushes,
                        producer_resyncs=self.link.num_producer_resyncs,
-                       trainer_idle_fraction=sum(r["wait_s"] for r in self.read_metrics()) / wall_s,
+                       trainer_idle_fraction=sum(r["wait_s"] for r in steps) / wall_s,
                        engine_idle_fraction=(None if busy_end is None or engine_busy_start is None
                                              else 1 - (busy_end - engine_busy_start) / wall_s))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "evals"}))
-        self.metrics.finish()
+        self.metrics.finish(steps)
         return summary
 
     # ------------------------------------------------------------------ stages of a step
@@ -272,10 +276,5 @@ class Trainer:
 
     def read_metrics(self) -> list[dict]:
         """One record per step of the surviving history (a restart re-does steps after its checkpoint)."""
-        by_step: dict[int, dict] = {}
-        if self.metrics_path.exists():
-            for line in self.metrics_path.read_text().splitlines():
-                r = json.loads(line)
-                if r["step"] <= self.step:
-                    by_step[r["step"]] = r
+        by_step = {r["step"]: r for r in read_jsonl(self.metrics_path) if r["step"] <= self.step}
         return [by_step[k] for k in sorted(by_step)]
