@@ -40,12 +40,9 @@ def follow(run, timeout_s: float) -> None:
 
 
 def plot(evals: list, out: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+    from nano_miles.run_artifacts import pyplot_or_none
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([e[2] / 60 for e in evals], [100 * e[1] for e in evals], marker="o")

@@ -63,12 +63,9 @@ def time_to_reach(evals: list, accuracy: float) -> float | None:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+    from nano_miles.run_artifacts import pyplot_or_none
+    plt = pyplot_or_none()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for row in rows:

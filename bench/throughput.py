@@ -92,12 +92,9 @@ def table(names: list[str], results: list[dict]) -> str:
 
 
 def plot(names: list[str], results: list[dict], out: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+    from nano_miles.run_artifacts import pyplot_or_none
+    plt = pyplot_or_none()
+    if plt is None:
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     bottoms = [0.0] * len(results)

@@ -19,7 +19,6 @@ weight_sync_gpu.json (and a PNG when matplotlib is present) under --out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -132,10 +131,10 @@ def measure(repeats: int, root: Path, log_dir: Path) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from nano_miles.run_artifacts import pyplot_or_none
+    plt = pyplot_or_none()
+    if plt is None:
+        return
     names = [p for p in PATHS if p != "disk"]
     parts = ("gather_ms", "serialize_ms", "apply_ms")
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -171,8 +170,7 @@ def main(argv: list[str]) -> int:
     print(f"(disk: serialize = save_pretrained, apply = /update_weights_from_disk; "
           f"max |logprob gap| between paths {result['max_abs_logprob_gap_between_paths']:.2e})")
     (out / "weight_sync_gpu.json").write_text(json.dumps(result, indent=2))
-    if importlib.util.find_spec("matplotlib"):
-        plot(result, out / "weight_sync_gpu.png")
+    plot(result, out / "weight_sync_gpu.png")
     print(f"wrote {out / 'weight_sync_gpu.json'}")
     return 0
 

@@ -121,14 +121,22 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def write_plots(run_dir: Path, steps: list[dict]) -> list[Path]:
-    """reward_accuracy.png (per step) and queue_depth.png (over time) in the run directory."""
+def pyplot_or_none(say=print):
+    """matplotlib.pyplot on the file-only Agg backend, or None (after telling `say`) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.info("matplotlib is not installed: no plots written (pip install -e '.[bench]')")
+        say("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+        return None
+    return plt
+
+
+def write_plots(run_dir: Path, steps: list[dict]) -> list[Path]:
+    """reward_accuracy.png (per step) and queue_depth.png (over time) in the run directory."""
+    plt = pyplot_or_none(log.info)
+    if plt is None:
         return []
     written = []
     steps = [r for r in steps if "reward" in r]
