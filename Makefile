@@ -7,7 +7,7 @@ PY    := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup test run status policy clean-runs
+.PHONY: setup test run status policy
 
 setup: $(VENV)/.installed
 

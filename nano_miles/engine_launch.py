@@ -13,7 +13,9 @@ import sys
 
 from nano_miles.config import REPO_ROOT, Config, config_or_exit, keeps_requests
 
-FLAT_LOADER = "nano_miles.flat_sync.load_flat"  # imported by SGLang's scheduler by this dotted name
+# SGLang's scheduler imports the flat-path loader by this dotted name (kept here, not imported from
+# flat_sync, so that the launcher imports no torch before it execs the server)
+FLAT_LOADER = "nano_miles.flat_sync.load_flat"
 
 
 def engine_command(cfg: Config) -> list[str]:

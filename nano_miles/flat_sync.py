@@ -29,7 +29,8 @@ import time
 
 import torch
 
-LOADER = "nano_miles.flat_sync.load_flat"
+from nano_miles.engine_launch import FLAT_LOADER as LOADER
+
 ALIGN_BYTES = 256  # every tensor starts on a 256-byte boundary: aligned vector loads on both sides
 
 # HF name part -> (fused SGLang name part, index among the parts fused into it)

@@ -66,8 +66,7 @@ def train_step(model, optimizer, batch, loss_cfg, temperature: float, max_grad_n
     part = local_slice(batch.input_ids.shape[0], rank, world)
     logp = token_logprobs(model, batch.input_ids[part], batch.targets[part], batch.attention_mask[part],
                           temperature)
-    out = ppo_loss(logp, batch.old_logprobs[part], batch.advantages[part], batch.loss_mask[part], loss_cfg,
-                   engine_logp=batch.old_logprobs[part])
+    out = ppo_loss(logp, batch.old_logprobs[part], batch.advantages[part], batch.loss_mask[part], loss_cfg)
     num_local = batch.loss_mask[part].sum().float()
     num_global = batch.loss_mask.sum().float()
     loss = out.loss * (world * num_local / num_global)

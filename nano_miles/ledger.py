@@ -19,15 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from nano_miles.wire import make_group_id, parse_group_id
-
-
-@dataclass
-class Lease:
-    attempt: int
-    issued_s: float      # monotonic time of the (re)issue
 
 
 class Ledger:
@@ -35,7 +28,7 @@ class Ledger:
         assert num_items >= 1 and lease_s > 0
         self.num_items, self.lease_s = num_items, lease_s
         self.cursor = 0                       # position (epoch * num_items + index) of the next fresh item
-        self.outstanding: dict[str, Lease] = {}
+        self.outstanding: dict[str, float] = {}  # group id -> monotonic time of its (re)issue
         self.trained: set[str] = set()
         self.reissue: deque[str] = deque()
         self.attempts: dict[str, int] = {}
@@ -64,7 +57,7 @@ class Ledger:
             self.cursor += 1
         attempt = self.attempts.get(group_id, -1) + 1
         self.attempts[group_id] = attempt
-        self.outstanding[group_id] = Lease(attempt, now_s)
+        self.outstanding[group_id] = now_s
         return group_id, self.position(group_id) % self.num_items, attempt
 
     @property
@@ -96,14 +89,14 @@ class Ledger:
     def renew(self, group_id: str, now_s: float | None = None) -> None:
         """Restart a lease (when the group leaves the producer: downstream time is what it bounds)."""
         if group_id in self.outstanding:
-            self.outstanding[group_id].issued_s = time.monotonic() if now_s is None else now_s
+            self.outstanding[group_id] = time.monotonic() if now_s is None else now_s
 
     def expire(self, now_s: float | None = None, busy: frozenset | set = frozenset()) -> list[str]:
         """Outstanding groups whose lease ran out (lost in a dead stage's buffers) go back in line;
         `busy` ids are still being generated here and keep their lease."""
         now_s = time.monotonic() if now_s is None else now_s
-        expired = [g for g, lease in self.outstanding.items()
-                   if g not in busy and now_s - lease.issued_s > self.lease_s]
+        expired = [g for g, issued_s in self.outstanding.items()
+                   if g not in busy and now_s - issued_s > self.lease_s]
         for group_id in expired:
             self._queue_again(group_id)
         return expired

@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 HOP_ENGINE = "rollout_to_engine"
 HOP_REWARD = "rollout_to_reward"
 HOP_TRAINER = "reward_to_trainer"
-HOPS = (HOP_ENGINE, HOP_REWARD, HOP_TRAINER)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 RATE_WINDOW_S = 10.0  # tokens/s gauges average over this window
 

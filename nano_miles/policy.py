@@ -23,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from nano_miles.tasks.arithmetic import (Problem, extract_answer, make_expressions, make_problems,
-                                         num_problems, render_prompt)
+from nano_miles.tasks.arithmetic import (CLOSE_TAG, OPEN_TAG, Problem, extract_answer, make_expressions,
+                                         make_problems, num_problems, render_prompt)
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "policy"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"  # UNK is never produced: every byte has a token
-ANSWER_TAGS = ("<answer>", "</answer>")
+ANSWER_TAGS = (OPEN_TAG, CLOSE_TAG)  # one token each; the reward looks for these exact tags
 SPECIALS = [PAD, EOS, UNK, *ANSWER_TAGS]
 # The same normalizer, pre-tokenizer and decoder as Qwen2Tokenizer, which transformers 5 substitutes
 # for whatever tokenizer.json says when config.json is a qwen2 model; so both load paths agree.

@@ -36,10 +36,6 @@ class KVBatch:
     mask: torch.Tensor  # [batch, seq] int64 on the CPU, 0 = left padding
     num_cached: torch.Tensor  # [batch] int64 on the CPU: real tokens cached = position of the next token
 
-    @property
-    def batch_size(self) -> int:
-        return self.mask.shape[0]
-
     def select(self, rows: list[int]) -> "KVBatch | None":
         """Keep `rows` (in that order) and drop the left columns that are padding for every kept row."""
         if not rows:
