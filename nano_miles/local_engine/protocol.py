@@ -17,7 +17,7 @@ def _per_item(body: dict, key: str, default, num_items: int, is_batch: bool) -> 
     value = body.get(key)
     if value is None:
         return [default] * num_items
-    if is_batch and isinstance(value, list) and key != "stop_token_ids":
+    if is_batch and isinstance(value, list):
         if len(value) != num_items:
             raise ValueError(f"{key} has {len(value)} entries for {num_items} inputs")
         return value
@@ -53,12 +53,7 @@ def parse_generate(body, vocab_size: int, context_len: int) -> tuple[list[Reques
     prompts = [_check_ids(p, vocab_size, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if is_batch \
         else [_check_ids(input_ids, vocab_size, "input_ids")]
     num = len(prompts)
-    sampling = body.get("sampling_params")
-    if is_batch and isinstance(sampling, list):
-        if len(sampling) != num:
-            raise ValueError(f"sampling_params has {len(sampling)} entries for {num} inputs")
-    else:
-        sampling = [sampling] * num
+    sampling = _per_item(body, "sampling_params", None, num, is_batch)
     return_logprobs = _per_item(body, "return_logprob", False, num, is_batch)
     start_lens = _per_item(body, "logprob_start_len", -1, num, is_batch)
     rid = body.get("rid")
