@@ -31,7 +31,7 @@ from typing import Any, Callable
 import msgpack
 
 from nano_miles.config import PAUSE_MODES
-from nano_miles.wire import SCHEMA_VERSION, WireError, get, parse_group_id, unpack_message
+from nano_miles.wire import SCHEMA_VERSION, WireError, check_count, get, parse_group_id, unpack_message
 
 MAX_ID_CHARS = 128          # req_id, incarnation
 MAX_GROUP_IDS = 1 << 20     # ids in one commit or sync: a whole epoch of a large dataset
@@ -60,12 +60,6 @@ def _text_id(value: object, where: str) -> str:
     return value
 
 
-def _count(value: object, where: str) -> int:
-    if type(value) is not int or value < 0:  # bool is an int subclass: refuse it explicitly
-        raise WireError(f"{where}: expected an int >= 0, got {value!r:.60}")
-    return value
-
-
 def _pause_mode(value: object, where: str) -> str:
     if not isinstance(value, str) or value not in PAUSE_MODES:
         raise WireError(f"{where}: {value!r:.60} not in {PAUSE_MODES}")
@@ -90,12 +84,12 @@ def _sync_state(value: object, where: str) -> dict[str, Any]:
     prefix = where + "."
     cursor = get(value, "data_cursor", dict, prefix)
     return {
-        "step": _count(get(value, "step", int, prefix), prefix + "step"),
-        "version": _count(get(value, "version", int, prefix), prefix + "version"),
+        "step": check_count(get(value, "step", int, prefix), prefix + "step"),
+        "version": check_count(get(value, "version", int, prefix), prefix + "version"),
         "committed_group_ids": _group_ids(get(value, "committed_group_ids", list, prefix),
                                           prefix + "committed_group_ids"),
         # the next dataset item to issue
-        "data_cursor": {k: _count(get(cursor, k, int, prefix + "data_cursor."), f"{prefix}data_cursor.{k}")
+        "data_cursor": {k: check_count(get(cursor, k, int, prefix + "data_cursor."), f"{prefix}data_cursor.{k}")
                         for k in ("epoch", "index")},
     }
 
@@ -103,8 +97,8 @@ def _sync_state(value: object, where: str) -> dict[str, Any]:
 # Each command's arguments and the check that returns the argument's normalized value.
 COMMANDS: dict[str, dict[str, Callable[[object, str], Any]]] = {
     "pause": {"mode": _pause_mode},
-    "resume": {"version": _count},
-    "commit": {"step": _count, "group_ids": _group_ids, "dropped_group_ids": _group_ids},
+    "resume": {"version": check_count},
+    "commit": {"step": check_count, "group_ids": _group_ids, "dropped_group_ids": _group_ids},
     "sync": {"state": _sync_state},
     "status": {},
 }

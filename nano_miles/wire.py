@@ -118,10 +118,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def make_group_id(epoch: int, index: int) -> str:
     """The id of the group for dataset item `index` in `epoch`, e.g. "e0-i123"."""
-    for name, value in (("epoch", epoch), ("index", index)):
-        if type(value) is not int or value < 0:
-            raise WireError(f"{name}: expected an int >= 0, got {value!r}")
-    return f"e{epoch}-i{index}"
+    return f"e{check_count(epoch, 'epoch')}-i{check_count(index, 'index')}"
 
 
 def parse_group_id(group_id: str, where: str = "group_id") -> tuple[int, int]:
@@ -138,7 +135,7 @@ def parse_group_id(group_id: str, where: str = "group_id") -> tuple[int, int]:
 def validate_rollout(group: RolloutGroup) -> None:
     """Raise WireError naming the first field of `group` that breaks an invariant."""
     parse_group_id(group.group_id)
-    _check_count(group.attempt, "attempt")
+    check_count(group.attempt, "attempt")
     num_prompt = _check_tokens(group.prompt_tokens, "prompt_tokens")
     samples = group.samples
     if not isinstance(samples, list) or not 1 <= len(samples) <= MAX_SAMPLES_PER_GROUP:
@@ -200,9 +197,11 @@ def _show(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_count(value: object, where: str) -> None:
-    if type(value) is not int or value < 0:  # bool is an int subclass: refuse it explicitly
+def check_count(value: object, where: str) -> int:
+    """`value` if it is an int >= 0 (a bool is refused, though Python counts it as an int)."""
+    if type(value) is not int or value < 0:
         raise WireError(f"{where}: expected an int >= 0, got {_show(value)}")
+    return value
 
 
 def _is_finish_reason(value: object) -> bool:
