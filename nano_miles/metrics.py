@@ -164,8 +164,9 @@ class TrainerMetrics(StageMetrics):
 
     def received(self, scored) -> None:
         g = scored.group
-        self.num_received_tokens += response_tokens(g)
-        self.count("received", HOP_TRAINER, response_tokens(g))
+        num_tokens = response_tokens(g)
+        self.num_received_tokens += num_tokens
+        self.count("received", HOP_TRAINER, num_tokens)
         self.received_times.append((g.timestamps.get("issued", 0.0), g.timestamps.get("generated", 0.0),
                                     time.time()))
 

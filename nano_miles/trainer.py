@@ -155,6 +155,7 @@ class Trainer:
         """Pull until `batch_groups` fresh groups; drop (and count) stale, future or duplicate ones."""
         started = last_check = time.perf_counter()
         batch: list[ScoredGroup] = []
+        batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
             if not self.pull.poll(1000, zmq.POLLIN):
                 waited = time.perf_counter() - started
@@ -179,7 +180,6 @@ class Trainer:
                 continue
             self.metrics.received(scored)
             group = scored.group
-            batch_ids = {g.group.group_id for g in batch}
             newest = max(int(s.versions[-1]) for s in group.samples)
             staleness = (self.step - 1) - group.oldest_version
             self.state.cursor = max(self.state.cursor, self.positions.position(group.group_id) + 1)
@@ -192,6 +192,7 @@ class Trainer:
             else:
                 self.metrics.staleness.observe(staleness)
                 batch.append(scored)
+                batch_ids.add(group.group_id)
         return batch, time.perf_counter() - started
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
@@ -239,11 +240,10 @@ class Trainer:
         """max |log p| gap between the engine's prefill scores and this model on one probe sample:
         the served weights must be exactly the trained ones at the end."""
         probe = list(range(3, 40))
-        device = next(self.model.parameters()).device
+        ids = torch.tensor([probe], device=next(self.model.parameters()).device)
         with torch.no_grad():
             self.model.eval()
-            logits = self.model(torch.tensor([probe], device=device)).logits[0].float().log_softmax(-1)
-        mine = logits[:-1].gather(-1, torch.tensor(probe[1:], device=device)[:, None])[:, 0].cpu()
+            mine = token_logprobs(self.model, ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, :-1]))[0].cpu()
         served = self.link.with_engine("final check", lambda: self.link.engine.score(probe[:1], probe[1:]))
         return float((torch.tensor(served) - mine).abs().max())
 

@@ -10,6 +10,7 @@ HTTP handler threads only enqueue requests and wait on each request's `done` eve
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -99,8 +100,8 @@ class Scheduler:
         with self._cond:
             if not self.is_alive:
                 raise SchedulerStopped("the engine's scheduler is not running")
-            rids = [r.rid for r in reqs]
-            duplicates = {rid for rid in rids if rid in self._active or rids.count(rid) > 1}
+            counts = Counter(r.rid for r in reqs)
+            duplicates = {rid for rid, n in counts.items() if n > 1 or rid in self._active}
             if duplicates:
                 raise ValueError(f"Duplicate request ID detected: {sorted(duplicates)}")
             for r in reqs:
