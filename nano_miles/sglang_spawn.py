@@ -5,13 +5,11 @@ Library module: `proc, url = start_sglang(model_dir, log_path)`; `stop_sglang(pr
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from nano_miles.local_engine.spawn import free_port, spawn_server
+from nano_miles.local_engine.spawn import free_port, spawn_server, stop_process
 
 # Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
 # capture costs start-up time and nothing measured here depends on decode speed.
@@ -32,11 +30,4 @@ def start_sglang(model_dir: Path | str, log_path: Path, *, dtype: str = "bfloat1
 
 
 def stop_sglang(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_process(proc, timeout_s, is_group=True)

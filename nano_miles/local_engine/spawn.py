@@ -6,6 +6,7 @@ Library module: `proc, url = start_local_engine(model_dir, log_path)`; `stop_pro
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -64,11 +65,15 @@ def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, sto
     return proc, url
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0, *, is_group: bool = False) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; to the whole process group (a server started in its
+    own session, with children of its own) when `is_group`."""
+    if proc.poll() is not None:
+        return
+    send = (lambda sig: os.killpg(proc.pid, sig)) if is_group else proc.send_signal
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()
