@@ -45,7 +45,7 @@ class EngineState:
     dtype: str
     host: str
     port: int
-    metrics: EngineMetrics | None = None  # Prometheus metrics served on GET /metrics
+    metrics: EngineMetrics  # Prometheus metrics served on GET /metrics
     weight_groups: WeightGroups | None = None  # process groups joined for distributed weight updates
 
     def __post_init__(self):
