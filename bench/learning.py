@@ -24,18 +24,21 @@ TARGET_POINTS, TARGET_S = 30.0, 600.0
 
 def follow(run, timeout_s: float) -> None:
     """Print the trainer's step lines as they come, until the run ends."""
-    log_path, seen = run.run_dir / "trainer.log", 0
+    log_path, offset = run.run_dir / "trainer.log", 0
     deadline = time.monotonic() + timeout_s
     while run.proc.poll() is None:
         if time.monotonic() > deadline:
             run.stop()
             raise SystemExit(f"run did not finish in {timeout_s:.0f}s; logs in {run.run_dir}")
         if log_path.exists():
-            lines = log_path.read_text().splitlines()
-            for line in lines[seen:]:
+            with log_path.open("rb") as f:  # only what was appended since the last look
+                f.seek(offset)
+                new = f.read()
+            complete = new[:new.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
                 if " step " in line or "held-out" in line:
                     print(line, flush=True)
-            seen = len(lines)
         time.sleep(1.0)
 
 

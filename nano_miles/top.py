@@ -9,6 +9,7 @@ Reads every stage's /metrics endpoint (ports from the config) and the last line 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from nano_miles.metrics_read import HOP_ENDS, STAGES, Snapshot, goodput, hop_dep
 
 SPARKS = "▁▂▃▄▅▆▇█"
 HISTORY_LEN = 40
+TAIL_BYTES = 1 << 16  # how much of metrics.jsonl a frame reads: many records
 CLEAR = "\033[H\033[2J"
 GREEN, RED, BOLD, RESET = "\033[32m", "\033[31m", "\033[1m", "\033[0m"
 
@@ -31,11 +33,20 @@ def sparkline(values) -> str:
 
 
 def last_step(run_dir: Path | None) -> dict | None:
+    """The newest complete record of metrics.jsonl, read from the file's tail (one record is ~1 KB;
+    the file grows all run, and this runs every frame)."""
     path = run_dir / "metrics.jsonl" if run_dir else None
     if path is None or not path.exists():
         return None
-    lines = path.read_text().splitlines()
-    return json.loads(lines[-1]) if lines else None
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+        lines = f.read().splitlines()
+    for line in reversed(lines):  # the last line may be half written, the first one cut
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def fmt(value, spec: str = ".0f", unknown: str = "?") -> str:
