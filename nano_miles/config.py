@@ -287,19 +287,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _apply(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
            "$NANOMILES_OVERRIDES")
     _apply(raw, parse_overrides(overrides or []), "command line")
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
     built = {}
     for f in dataclasses.fields(Config):
-        cls = f.default_factory().__class__
+        default = f.default_factory()
         values = raw.pop(f.name, {})
-        defaults = {k.name: getattr(cls(), k.name) for k in dataclasses.fields(cls)}
+        defaults = {k.name: getattr(default, k.name) for k in dataclasses.fields(default)}
         unknown = set(values) - set(defaults)
         if unknown:
             raise ConfigError(f"unknown key(s) in [{f.name}]: {', '.join(sorted(unknown))} "
                               f"(known: {', '.join(defaults)})")
-        built[f.name] = cls(**{k: _coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
+        built[f.name] = type(default)(**{k: _coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
     if raw:
-        raise ConfigError(f"unknown section(s): {', '.join(sorted(raw))} (known: {', '.join(sections)})")
+        raise ConfigError(f"unknown section(s): {', '.join(sorted(raw))} (known: {', '.join(built)})")
     return Config(**built)
 
 
