@@ -23,6 +23,16 @@ from collections import deque
 from nano_miles.wire import make_group_id, parse_group_id
 
 
+def group_id_at(position: int, num_items: int) -> str:
+    """The id of the group at `position` of the endless dataset stream (epoch after epoch)."""
+    return make_group_id(position // num_items, position % num_items)
+
+
+def position_of(group_id: str, num_items: int) -> int:
+    epoch, index = parse_group_id(group_id)
+    return epoch * num_items + index
+
+
 class Ledger:
     def __init__(self, num_items: int, lease_s: float):
         assert num_items >= 1 and lease_s > 0
@@ -37,11 +47,10 @@ class Ledger:
 
     # ------------------------------------------------------------ positions <-> ids
     def group_id(self, position: int) -> str:
-        return make_group_id(position // self.num_items, position % self.num_items)
+        return group_id_at(position, self.num_items)
 
     def position(self, group_id: str) -> int:
-        epoch, index = parse_group_id(group_id)
-        return epoch * self.num_items + index
+        return position_of(group_id, self.num_items)
 
     # ------------------------------------------------------------ issuing
     def next_group(self, now_s: float | None = None) -> tuple[str, int, int]:
@@ -104,9 +113,10 @@ class Ledger:
     def sync(self, trained_ids: list[str], cursor: int) -> None:
         """Adopt the trainer's truth: `trained_ids` are in its model, it saw nothing at or past `cursor`."""
         trained = set(trained_ids)
-        for group_id in self.trained - trained:       # trained, then lost with a trainer restart
-            self._queue_again_after_rollback(group_id)
+        lost = self.trained - trained                 # trained, then lost with a trainer restart
         self.trained = trained
+        for group_id in lost:
+            self._queue_again(group_id)
         if cursor > self.cursor:
             self.cursor = cursor
         # every id below the cursor that is neither trained nor out is a hole: issue it again
@@ -115,10 +125,6 @@ class Ledger:
             if group_id not in trained and group_id not in self.outstanding \
                     and group_id not in self.dropped_for_good:
                 self._queue_again(group_id)
-
-    def _queue_again_after_rollback(self, group_id: str) -> None:
-        self.trained.discard(group_id)
-        self._queue_again(group_id)
 
     def budget_used(self) -> int:
         """Groups that count against the version gate: in the model or on their way to it."""

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from nano_miles.ledger import group_id_at, position_of
+
 
 @dataclass
 class StepStats:
@@ -71,20 +73,21 @@ def merge_hists(hists) -> dict:
     return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
 
 
-def ledger_report(state, outstanding: list[str], positions, dropped_for_good: dict[str, str] | None = None) -> dict:
-    """Every prompt of the run: trained once (at which step), or why not. `positions` maps ids to
-    dataset positions (a Ledger); `outstanding` are ids the producer still had out at the end;
-    `dropped_for_good` are ids the producer gave up on, with the reason."""
+def ledger_report(state, outstanding: list[str], num_items: int,
+                  dropped_for_good: dict[str, str] | None = None) -> dict:
+    """Every prompt of the run: trained once (at which step), or why not. `num_items` is the size of
+    the train split, which maps ids to positions; `outstanding` are ids the producer still had out at
+    the end; `dropped_for_good` are ids the producer gave up on, with the reason."""
     dropped_for_good = dropped_for_good or {}
     trained_at: dict[str, list[int]] = {}
     for step, ids in state.trained_by_step.items():
         for group_id in ids:
             trained_at.setdefault(group_id, []).append(step)
     unfinished = set(outstanding)
-    num_prompts = max([state.cursor] + [positions.position(g) + 1 for g in unfinished | set(dropped_for_good)])
+    num_prompts = max([state.cursor] + [position_of(g, num_items) + 1 for g in unfinished | set(dropped_for_good)])
     prompts = {}
     for position in range(num_prompts):
-        group_id = positions.group_id(position)
+        group_id = group_id_at(position, num_items)
         steps = trained_at.get(group_id, [])
         if steps:
             prompts[group_id] = f"trained at step {steps[0]}" + (f" and again at {steps[1:]}" if steps[1:] else "")

@@ -21,7 +21,7 @@ from nano_miles.channels import make_socket
 from nano_miles.checkpoint import TrainerState, complete_checkpoints, load_checkpoint, save_checkpoint
 from nano_miles.config import Config
 from nano_miles.grpo import assemble_batch, token_logprobs
-from nano_miles.ledger import Ledger
+from nano_miles.ledger import position_of
 from nano_miles.loss import LossConfig, ppo_loss, truncated_is_weights
 from nano_miles.metrics import TrainerMetrics
 from nano_miles.run_artifacts import read_jsonl
@@ -45,7 +45,7 @@ class Trainer:
         self.max_staleness = cfg.run.effective_max_staleness
         self.state = TrainerState()
         self.trained_ids: set[str] = set()
-        self.positions = Ledger(cfg.task.num_train, lease_s=1.0)  # only for id <-> dataset position
+        self.num_items = cfg.task.num_train  # group ids <-> dataset positions
         self.link = PipelineLink(cfg, ctx, self.sync_state)
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.drops: dict[str, int] = {}
@@ -129,7 +129,7 @@ class Trainer:
 
     def finish(self, engine_busy_start: float | None) -> dict:
         status = self.link.request("status")
-        report = ledger_report(self.state, status.get("outstanding_group_ids", []), self.positions,
+        report = ledger_report(self.state, status.get("outstanding_group_ids", []), self.num_items,
                                status.get("dropped_for_good", {}))
         (self.run_dir / "ledger.json").write_text(json.dumps(report, indent=2))
         steps = self.read_metrics()
@@ -182,7 +182,7 @@ class Trainer:
             group = scored.group
             newest = max(int(s.versions[-1]) for s in group.samples)
             staleness = (self.step - 1) - group.oldest_version
-            self.state.cursor = max(self.state.cursor, self.positions.position(group.group_id) + 1)
+            self.state.cursor = max(self.state.cursor, position_of(group.group_id, self.num_items) + 1)
             if group.group_id in self.trained_ids or group.group_id in batch_ids:
                 self.count_drop("duplicate")  # trained already: nothing to re-issue
             elif newest > self.step - 1:

@@ -11,7 +11,6 @@ import zmq
 
 from nano_miles.config import load_config
 from nano_miles.engine_client import EngineClient
-from nano_miles.ledger import Ledger
 from nano_miles.rollout import RolloutProducer
 from nano_miles.run_log import ledger_report
 
@@ -54,6 +53,6 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
         ctx.term()
     # the end-of-run report lists it as dropped with that reason, not lost
     state = SimpleNamespace(trained_by_step={1: ["e0-i1", "e0-i2", "e0-i3"]}, cursor=4)
-    report = ledger_report(state, [], Ledger(5, 1.0), status["dropped_for_good"])
+    report = ledger_report(state, [], 5, status["dropped_for_good"])
     assert report["prompts"]["e0-i0"] == "dropped: engine_http_400"
     assert report["num_dropped"] == 1 and report["num_lost"] == 0 and report["num_trained_once"] == 3
