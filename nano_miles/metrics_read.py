@@ -31,6 +31,10 @@ class Snapshot:
     def get(self, name: str, default: float | None = None, **labels: str) -> float | None:
         return self.values.get((name, tuple(sorted(labels.items()))), default)
 
+    def series(self, name: str) -> dict[tuple, float]:
+        """Every labelled sample of `name`: sorted (label, value) pairs -> value."""
+        return {labels: v for (n, labels), v in self.values.items() if n == name}
+
 
 def parse(text: str) -> Snapshot:
     snap = Snapshot(time_s=time.time())

@@ -58,7 +58,7 @@ def metrics_status(url: str, what) -> tuple[bool, str]:
 def reward_line(snap) -> str:
     received = snap.get("nanomiles_groups_received_total", 0.0, hop=HOP_REWARD)
     sent = snap.get("nanomiles_groups_sent_total", 0.0, hop=HOP_TRAINER)
-    failed = sum(v for (name, _), v in snap.values.items() if name == "nanomiles_reward_failures_total")
+    failed = sum(snap.series("nanomiles_reward_failures_total").values())
     waiting = "rollout groups" if received == sent else "the trainer to take a scored group"
     return f"{received:.0f} received, {sent:.0f} sent, {failed:.0f} samples failed; waiting for {waiting}"
 

@@ -114,8 +114,7 @@ class View:
             count = trainer.get("nanomiles_staleness_versions_count", 0.0)
             total = trainer.get("nanomiles_staleness_versions_sum", 0.0)
             stale.append(f"staleness mean {total / count:.2f}" if count else "staleness -")
-            drops = {labels[0][1]: v for (name, labels), v in trainer.values.items()
-                     if name == "nanomiles_dropped_groups_total"}
+            drops = {labels[0][1]: v for labels, v in trainer.series("nanomiles_dropped_groups_total").items()}
             stale.append("drops " + (", ".join(f"{k} {v:.0f}" for k, v in sorted(drops.items())) or "0"))
         reward_mean = trainer.get("nanomiles_reward_mean") if trainer else None
         accuracy = trainer.get("nanomiles_accuracy_ratio") if trainer else None
