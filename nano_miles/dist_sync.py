@@ -151,8 +151,9 @@ class DistributedWeightSender:
             except (EngineError, OSError) as err:  # a restarted engine has no group: nothing to drop
                 log.info("destroy_weights_update_group on %s: %s", e.base_url, err)
 
-    def push(self, model: torch.nn.Module, version: int) -> dict[str, float]:
-        """Send `model`'s weights tagged `version` to every engine; the caller paused generation."""
+    def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
+        """Send `model`'s weights tagged `version` to every engine; the caller paused generation.
+        `flush_cache` as in weight_sync.push_weights."""
         if self.group is None:
             self.init_group()
         named = trainable_named_tensors(model)
@@ -167,7 +168,7 @@ class DistributedWeightSender:
                     "names": [n for n, _ in bucket],
                     "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": self.group_name, "flush_cache": is_last,
+                    "group_name": self.group_name, "flush_cache": flush_cache and is_last,
                     "weight_version": str(version) if is_last else None, "load_format": None})
                 broadcast_from_rank0(self.group, [t.contiguous() for _, t in bucket])
                 self._wait_all(futures, "update_weights_from_distributed")

@@ -116,10 +116,11 @@ class PipelineLink:
         if not is_idle:
             self.engine.pause(mode)
         t1 = time.perf_counter()
+        flush_cache = is_idle or not keeps_requests(mode)  # kept requests hold KV: SGLang cannot flush then
         if self.sender is not None:  # a failed push dropped the group; this one builds a new one
-            push = self.sender.push(model, version)
-        else:  # kept requests hold KV: SGLang cannot flush its prefix cache then
-            push = push_weights(self.engine, model, version, flush_cache=is_idle or not keeps_requests(mode))
+            push = self.sender.push(model, version, flush_cache=flush_cache)
+        else:
+            push = push_weights(self.engine, model, version, flush_cache=flush_cache)
         t2 = time.perf_counter()
         if not is_idle:
             self.engine.resume()
