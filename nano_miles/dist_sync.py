@@ -102,10 +102,7 @@ class DistributedWeightSender:
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="weight-group")
 
-    def _on_all(self, path: str, body: dict) -> list:
-        return [self._pool.submit(e._call, "POST", path, body, self.timeout_s) for e in self.engines]
-
-    def _wait_all(self, futures: list, what: str) -> list[dict]:
+    def _wait_all(self, futures: list) -> list[dict]:
         """Every engine's answer; after all answered, the first failure is raised."""
         results, errors = [], []
         for f in futures:
@@ -115,9 +112,6 @@ class DistributedWeightSender:
                 errors.append(e)
         if errors:
             raise errors[0]
-        for r in results:
-            if not (isinstance(r, dict) and r.get("success")):
-                raise EngineError(200, f"{what}: {r}")
         return results
 
     def init_group(self) -> None:
@@ -126,7 +120,7 @@ class DistributedWeightSender:
             from nano_miles.local_engine.spawn import free_port
             port = free_port()
         world_size = 1 + len(self.engines)  # one rank per engine (tensor parallel size 1)
-        futures = [self._pool.submit(e._call, "POST", "/init_weights_update_group", {
+        futures = [self._pool.submit(e.init_weights_update_group, {
             "master_address": self.master_address, "master_port": port, "rank_offset": 1 + i,
             "world_size": world_size, "group_name": self.group_name, "backend": self.backend,
         }, self.timeout_s) for i, e in enumerate(self.engines)]
@@ -135,7 +129,7 @@ class DistributedWeightSender:
                                      self.group_name, self.timeout_s)
         except RuntimeError as e:  # rendezvous timed out: some engine never joined
             raise WeightTransportError(f"weight group rendezvous failed: {e}") from None
-        self._wait_all(futures, "init_weights_update_group")
+        self._wait_all(futures)
         self.group = group
         log.info("weight group %s ready: %d engines, %s at %s:%d", self.group_name, len(self.engines),
                  self.backend, self.master_address, port)
@@ -147,7 +141,7 @@ class DistributedWeightSender:
         self.group = None
         for e in self.engines:
             try:
-                e._call("POST", "/destroy_weights_update_group", {"group_name": self.group_name}, 10.0)
+                e.destroy_weights_update_group(self.group_name, 10.0)
             except (EngineError, OSError) as err:  # a restarted engine has no group: nothing to drop
                 log.info("destroy_weights_update_group on %s: %s", e.base_url, err)
 
@@ -164,14 +158,15 @@ class DistributedWeightSender:
         try:
             for i, bucket in enumerate(buckets):
                 is_last = i == len(buckets) - 1
-                futures = self._on_all("/update_weights_from_distributed", {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": self.group_name, "flush_cache": flush_cache and is_last,
-                    "weight_version": str(version) if is_last else None, "load_format": None})
+                body = {"names": [n for n, _ in bucket],
+                        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                        "shapes": [list(t.shape) for _, t in bucket],
+                        "group_name": self.group_name, "flush_cache": flush_cache and is_last,
+                        "weight_version": str(version) if is_last else None, "load_format": None}
+                futures = [self._pool.submit(e.update_weights_from_distributed, body, self.timeout_s)
+                           for e in self.engines]
                 broadcast_from_rank0(self.group, [t.contiguous() for _, t in bucket])
-                self._wait_all(futures, "update_weights_from_distributed")
+                self._wait_all(futures)
         except (WeightTransportError, EngineError, OSError):
             self.close()  # a half-done update leaves the group out of step: build a new one next time
             raise

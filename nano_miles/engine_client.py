@@ -181,18 +181,30 @@ class EngineClient:
     def end_weight_update(self) -> dict:
         return self._call("POST", "/end_weight_update", {})
 
-    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
-        result = self._call("POST", "/update_weights_from_disk",
-                            {"model_path": model_path, "weight_version": weight_version})
-        if not result.get("success"):
-            raise EngineError(200, result.get("message", "weight update failed"))
+    def _post_update(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        """POST to a weight endpoint, whose answer says `success`: false raises with the server's message."""
+        result = self._call("POST", path, body, timeout_s)
+        if not (isinstance(result, dict) and result.get("success")):
+            raise EngineError(200, f"{path}: " + (result.get("message", "weight update failed")
+                                                  if isinstance(result, dict) else repr(result)))
         return result
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
+        return self._post_update("/update_weights_from_disk",
+                                 {"model_path": model_path, "weight_version": weight_version})
 
     def update_weights_from_tensor(self, serialized: list[str], *, load_format: str | None = None,
                                    weight_version: str | None = None, flush_cache: bool = True) -> dict:
-        body = {"serialized_named_tensors": serialized, "load_format": load_format,
-                "flush_cache": flush_cache, "weight_version": weight_version}
-        result = self._call("POST", "/update_weights_from_tensor", body)
-        if not result.get("success"):
-            raise EngineError(200, result.get("message", "weight update failed"))
-        return result
+        return self._post_update("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version})
+
+    # the weight group of the distributed transport (nano_miles/dist_sync.py)
+    def init_weights_update_group(self, body: dict, timeout_s: float | None = None) -> dict:
+        return self._post_update("/init_weights_update_group", body, timeout_s)
+
+    def update_weights_from_distributed(self, body: dict, timeout_s: float | None = None) -> dict:
+        return self._post_update("/update_weights_from_distributed", body, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str, timeout_s: float | None = None) -> dict:
+        return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
