@@ -27,7 +27,7 @@ run: setup
 		mv runs/current runs/$$(date +%Y%m%d-%H%M%S); fi
 	@mkdir -p runs/current && touch runs/current/.gitkeep
 	$(VENV)/bin/supervisord -c supervisord.conf
-	@$(PY) -m nano_miles.run_report runs/current
+	@$(PY) -m nano_miles.observe.report runs/current
 
 status: setup
 	$(VENV)/bin/supervisorctl -c supervisord.conf status

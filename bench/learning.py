@@ -43,7 +43,7 @@ def follow(run, timeout_s: float) -> None:
 
 
 def plot(evals: list, out: Path) -> bool:
-    from nano_miles.run_artifacts import pyplot_or_none
+    from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
         return False
@@ -64,8 +64,8 @@ def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
-    from nano_miles.config import ConfigError, load_config
-    from nano_miles.supervised_run import SupervisedRun
+    from nano_miles.run.config import ConfigError, load_config
+    from harness.supervised_run import SupervisedRun
     try:
         cfg = load_config(overrides=argv)
     except ConfigError as e:

@@ -29,7 +29,7 @@ DEFAULTS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.gro
 
 
 def run_variant(name: str, overrides: list[str], root: Path) -> dict:
-    from nano_miles.supervised_run import SupervisedRun
+    from harness.supervised_run import SupervisedRun
     print(f"running {name} ...", flush=True)
     run = SupervisedRun(root / slug(name), overrides).start()
     try:
@@ -45,7 +45,7 @@ def slug(name: str) -> str:
 
 
 def read_run(name: str, run_dir: Path) -> dict:
-    from nano_miles.run_artifacts import read_jsonl
+    from nano_miles.observe.run_record import read_jsonl
     """One run's row. Its clock starts when step 1 starts: what comes before (engine start-up, the
     first evaluation, which on a fresh GPU host includes compiling kernels) is not training speed."""
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -63,7 +63,7 @@ def time_to_reach(evals: list, accuracy: float) -> float | None:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    from nano_miles.run_artifacts import pyplot_or_none
+    from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
         return

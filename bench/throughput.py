@@ -28,10 +28,10 @@ TARGET_OVERHEAD = 0.02
 
 def run_variant(overrides: list[str], timeout_s: float = 1800) -> dict:
     """One supervised run; scrapes every stage twice a second until the run ends by itself."""
-    from nano_miles.config import load_config
-    from nano_miles.metrics import HOP_ENGINE
-    from nano_miles.metrics_read import goodput, scrape_all, stage_urls
-    from nano_miles.supervised_run import SupervisedRun
+    from nano_miles.run.config import load_config
+    from nano_miles.observe.metrics import HOP_ENGINE
+    from nano_miles.observe.scrape import goodput, scrape_all, stage_urls
+    from harness.supervised_run import SupervisedRun
     with tempfile.TemporaryDirectory() as tmp:
         run = SupervisedRun(Path(tmp) / "run", BUDGET + overrides).start()
         urls = stage_urls(load_config(overrides=run.overrides))
@@ -92,7 +92,7 @@ def table(names: list[str], results: list[dict]) -> str:
 
 
 def plot(names: list[str], results: list[dict], out: Path) -> bool:
-    from nano_miles.run_artifacts import pyplot_or_none
+    from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
         return False
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     variants = [common] + [common + v for v in extra]
     names = [" ".join(v[len(common):]).replace("--run.", "") or "baseline" for v in variants]
     names[0] = " ".join(common).replace("--run.", "") or "sync (default)"
-    from nano_miles.config import ConfigError, load_config
+    from nano_miles.run.config import ConfigError, load_config
     try:
         configs = [load_config(overrides=BUDGET + v) for v in variants]
     except ConfigError as e:

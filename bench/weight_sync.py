@@ -50,9 +50,9 @@ def measure(shape: str, repeats: int, root: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nano_miles.engine_client import EngineClient
-    from nano_miles.local_engine.spawn import start_local_engine, stop_process
-    from nano_miles.weight_sync import push_weights
+    from nano_miles.engine.client import EngineClient
+    from harness.servers import start_local_engine, stop_process
+    from nano_miles.weights.tensor_sender import push_weights
 
     model_dir = make_model_dir(shape, root)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -8,7 +8,7 @@ weights through every path, one after the other, so machine noise hits all alike
 
 * bucket-1: SGLang's stock path, one `FlattenedTensorBucket` of everything (`load_format="flattened_bucket"`)
 * bucket-512MiB: the same in 512 MiB buckets, what `weight_sync.push_weights` sends by default
-* flat: `nano_miles.flat_sync`, a persistent trainer-owned buffer the engine maps once
+* flat: `nano_miles/weights/flat_sender.py`, a persistent trainer-owned buffer the engine maps once
 * one-tensor: a bucket holding one small tensor, the fixed cost of an update call
 * disk: `save_pretrained` + `/update_weights_from_disk`
 
@@ -51,17 +51,18 @@ def make_model(root: Path):
 
 def push_one_tensor(client, name, tensor, version):
     """A bucket holding one tensor: what every update call costs regardless of its size."""
-    from nano_miles.weight_sync import _push_cuda_buckets
+    from nano_miles.weights.tensor_sender import _push_cuda_buckets
     return _push_cuda_buckets(client, [(name, tensor)], version, 1 << 40)
 
 
 def measure(repeats: int, root: Path, log_dir: Path) -> dict:
     import torch
 
-    from nano_miles.engine_client import EngineClient
-    from nano_miles.flat_sync import FlatWeightPusher
-    from nano_miles.sglang_spawn import start_sglang, stop_sglang
-    from nano_miles.weight_sync import _push_cuda_buckets, trainable_named_tensors
+    from nano_miles.engine.client import EngineClient
+    from nano_miles.weights.flat_sender import FlatSender
+    from harness.servers import start_sglang, stop_sglang
+    from nano_miles.weights.named_tensors import trainable_named_tensors
+    from nano_miles.weights.tensor_sender import _push_cuda_buckets
 
     model, model_dir = make_model(root)
     named = trainable_named_tensors(model)
@@ -72,7 +73,7 @@ def measure(repeats: int, root: Path, log_dir: Path) -> dict:
     start_s = time.perf_counter() - started
     print(f"SGLang up in {start_s:.0f}s; {num_params / 1e6:.0f}M params, {len(named)} tensors", flush=True)
     client = EngineClient(url)
-    pusher = FlatWeightPusher(model)
+    pusher = FlatSender(client)
     ckpt = root / "ckpt"
     version = 0
 
@@ -85,7 +86,7 @@ def measure(repeats: int, root: Path, log_dir: Path) -> dict:
         elif path == "bucket-512MiB":
             split = _push_cuda_buckets(client, named, version, 512 << 20)
         elif path == "flat":
-            split = pusher.push(client, version)
+            split = pusher.push(model, version)
         elif path == "one-tensor":
             split = push_one_tensor(client, *named[-1], version)
         else:
@@ -131,7 +132,7 @@ def measure(repeats: int, root: Path, log_dir: Path) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    from nano_miles.run_artifacts import pyplot_or_none
+    from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
         return

@@ -10,7 +10,7 @@ Two paths per group shape and encoding, side by side:
 Rates are medians over repetitions of wall-clock time ("Mtok/s"). The machine is shared, so each
 path also reports its CPU-bound rate ("cpu Mtok/s": tokens / CPU seconds of the busier end, zmq's
 I/O thread included), which is what the hop sustains when each end has a core to itself.
-Both encodings validate the group fully on both ends (nano_miles.wire checks); the list variant
+Both encodings validate the group fully on both ends (nano_miles.wire.data checks); the list variant
 differs only in how arrays travel (msgpack lists of ints / float64) and is defined here, not in the
 library, because nothing but this comparison should ever use it.
 """
@@ -31,8 +31,9 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nano_miles import wire  # noqa: E402
-from nano_miles.wire import RolloutGroup, Sample  # noqa: E402
+from nano_miles.wire import data as wire  # noqa: E402
+from nano_miles.wire.codec import make_group_id  # noqa: E402
+from nano_miles.wire.data import RolloutGroup, Sample  # noqa: E402
 
 TARGET_TOKENS_PER_S = 50e6
 SHAPES = [  # (name, samples per group G, prompt tokens P, response tokens R)
@@ -52,7 +53,7 @@ def make_group(num_samples: int, num_prompt: int, num_response: int, seed: int =
         versions[num_response // 2:] = 8  # lived through one weight update
         samples.append(Sample(rng.integers(0, VOCAB_SIZE, num_response, dtype=np.int32),
                               -rng.exponential(1.0, num_response).astype(np.float32), versions, "length"))
-    return RolloutGroup(wire.make_group_id(0, seed), 0, rng.integers(0, VOCAB_SIZE, num_prompt, dtype=np.int32),
+    return RolloutGroup(make_group_id(0, seed), 0, rng.integers(0, VOCAB_SIZE, num_prompt, dtype=np.int32),
                         samples, {"label": "42"}, {"rollout": time.time()})
 
 

@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from nano_miles.run.config import DEFAULT_POLICY_DIR as ASSET_DIR
 from nano_miles.tasks.arithmetic import (CLOSE_TAG, OPEN_TAG, Problem, extract_answer, make_expressions,
                                          make_problems, num_problems, render_prompt)
 
-ASSET_DIR = Path(__file__).resolve().parent / "assets" / "policy"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"  # UNK is never produced: every byte has a token

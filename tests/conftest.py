@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nano_miles.local_engine.spawn import REPO_ROOT as REPO
-from nano_miles.local_engine.spawn import free_port, start_local_engine, stop_process
+from harness.servers import REPO_ROOT as REPO
+from harness.servers import free_port, start_local_engine, stop_process
 
 __all__ = ["GPU_ONLY", "REPO", "free_port", "report", "start_engine", "stop_process"]
 

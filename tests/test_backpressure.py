@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from nano_miles.channels import ControlClient, make_socket
-from nano_miles.config import load_config
-from nano_miles.metrics import HOP_REWARD
-from nano_miles.metrics_read import scrape
-from nano_miles.supervised_run import SupervisedRun
-from nano_miles.wire import MAX_MESSAGE_BYTES
+from nano_miles.wire.sockets import ControlClient, make_socket
+from nano_miles.run.config import load_config
+from nano_miles.observe.metrics import HOP_REWARD
+from nano_miles.observe.scrape import scrape
+from harness.supervised_run import SupervisedRun
+from nano_miles.wire.codec import MAX_MESSAGE_BYTES
 from test_chaos import CHAOS, stage_pid, surviving_steps
 
 # the chaos config with the default 60 s lease: a 20 s stop must not look like lost groups
@@ -71,7 +71,7 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
                             **{f"{s}_rss": rss_bytes(pid) for s, pid in pids.items()}})
             time.sleep(1.0)
         assert "STOPPED" in run.ctl("status", "nanomiles:trainer")
-        out = subprocess.run([sys.executable, "-m", "nano_miles.status", f"--run.dir={run.run_dir}"],
+        out = subprocess.run([sys.executable, "-m", "nano_miles.observe.status", f"--run.dir={run.run_dir}"],
                              env=run.env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 1, out.stdout + out.stderr  # the trainer is down
         lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}

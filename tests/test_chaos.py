@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from nano_miles.supervised_run import SupervisedRun
+from harness.supervised_run import SupervisedRun
 
 STAGES = ("engine", "rollout", "reward", "trainer")
 CHAOS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.group_size=4",

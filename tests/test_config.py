@@ -4,9 +4,9 @@ import tomllib
 
 import pytest
 
-from nano_miles.config import ConfigError, config_from_argv, load_config
-from nano_miles.engine_launch import engine_command
-from nano_miles.supervise import decide, parse_payload
+from nano_miles.run.config import ConfigError, config_from_argv, load_config
+from nano_miles.engine.launch import engine_command
+from nano_miles.run.run_end import decide, parse_payload
 
 
 def test_layers_and_types(tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_missing_or_broken_file(tmp_path):
 
 def test_engine_command_lines(tmp_path):
     local = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.port=1234"]))
-    assert local[1].endswith("procs/engine.py") and local[local.index("--port") + 1] == "1234"
+    assert local[1:3] == ["-m", "nano_miles.local_engine"] and local[local.index("--port") + 1] == "1234"
     sg = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
                                                "--engine.dtype=bfloat16"]))
     assert sg[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in sg
@@ -75,11 +75,11 @@ def test_run_end_listener_decisions():
 def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "nano_miles.engine_launch", f"--model.path={tmp_path}",
+    result = subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.path" in result.stderr and "config.json" in result.stderr
     (tmp_path / "config.json").write_text("{}")
-    result = subprocess.run([sys.executable, "-m", "nano_miles.engine_launch", f"--model.path={tmp_path}",
+    result = subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and str(tmp_path) in result.stdout

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from conftest import start_engine, stop_process
-from nano_miles.dist_sync import DistributedWeightSender
-from nano_miles.engine_client import EngineClient, EngineError
-from nano_miles.weight_sync import tied_names
+from nano_miles.weights.broadcast_sender import BroadcastSender
+from nano_miles.engine.client import EngineClient, EngineError
+from nano_miles.weights.named_tensors import tied_names
 
 PROMPT = [3, 4, 5, 6]
 RESPONSE = [7, 8, 9, 10]
@@ -41,7 +41,7 @@ def test_broadcast_update_matches_trainer_and_sets_version(engine, policy_dir):
     assert tied_names(model) == {"lm_head.weight"}  # the tied head is never sent, as on the tensor path
     before = torch.tensor(client.score(PROMPT, RESPONSE))
     # small buckets: several /update_weights_from_distributed calls per update
-    sender = DistributedWeightSender([client], backend="gloo", timeout_s=30, max_bucket_bytes=64 << 10)
+    sender = BroadcastSender([client], backend="gloo", timeout_s=30, max_bucket_bytes=64 << 10)
     try:
         for version in (1, 2):  # the second update reuses the group made by the first
             perturb(model, seed=version)
@@ -66,13 +66,13 @@ def test_trainer_link_selects_broadcast_transport_by_config(engine, policy_dir):
     import zmq
     from transformers import AutoModelForCausalLM
 
-    from nano_miles.config import load_config
-    from nano_miles.trainer_link import PipelineLink
+    from nano_miles.run.config import load_config
+    from nano_miles.stages.trainer.peers import Peers
 
     port = engine.rsplit(":", 1)[1]
     cfg = load_config(overrides=[f"--engine.port={port}", "--engine.weight_transport=distributed",
                                  "--engine.weight_group_timeout_s=30"])
-    link = PipelineLink(cfg, zmq.Context.instance(), sync_state=dict)
+    link = Peers(cfg, zmq.Context.instance(), durable_state=dict)
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     perturb(model, seed=3)
     try:

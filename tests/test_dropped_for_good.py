@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import zmq
 
-from nano_miles.config import load_config
-from nano_miles.engine_client import EngineClient
-from nano_miles.rollout import RolloutProducer
-from nano_miles.run_log import ledger_report
+from nano_miles.run.config import load_config
+from nano_miles.engine.client import EngineClient
+from nano_miles.stages.rollout.producer import RolloutProducer
+from nano_miles.observe.run_record import ledger_report
 
 
 def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
@@ -40,7 +40,7 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
             time.sleep(0.01)
         status = producer.on_status()
         assert status["dropped_for_good"] == {"e0-i0": "engine_http_400"}
-        assert status["num_dropped_for_good"] == 1 and status["num_failed"] == 1  # tried once, not retried
+        assert len(status["dropped_for_good"]) == 1 and status["num_failed"] == 1  # tried once, not retried
         assert producer.metrics.registry.get_sample_value("nanomiles_dropped_for_good_groups_total",
                                                           {"reason": "engine_http_400"}) == 1
         # its slot in the batch went to the next prompt

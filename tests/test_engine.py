@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import start_engine, stop_process
-from nano_miles.engine_client import EngineClient, EngineError, parse_output
+from nano_miles.engine.client import EngineClient, EngineError, parse_output
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 PROMPTS = [[11 + i, 12 + 2 * i, 40, 41 + i][: 2 + i % 3] + [7] * (i % 5) for i in range(16)]
@@ -290,7 +290,7 @@ def test_config_eos_stops_generation_unless_ignored(tiny_engine):
 def test_weight_update_changes_outputs_and_sets_version(tiny_engine):
     from transformers import AutoModelForCausalLM
 
-    from nano_miles.weight_sync import serialize_named_tensors
+    from nano_miles.weights.tensor_sender import serialize_named_tensors
 
     url, model_dir, _ = tiny_engine
     client = EngineClient(url)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import free_port, start_engine, stop_process
-from nano_miles.dist_sync import DistributedWeightSender
-from nano_miles.engine_client import EngineClient
-from nano_miles.engine_group import EngineGroup
-from nano_miles.local_engine.spawn import wait_for_http
-from nano_miles.weight_sync import push_weights
+from nano_miles.weights.broadcast_sender import BroadcastSender
+from nano_miles.engine.client import EngineClient
+from nano_miles.engine.group import EngineGroup
+from harness.servers import wait_for_http
+from nano_miles.weights.tensor_sender import push_weights
 
 PROMPT = [3, 4, 5, 6]
 RESPONSE = [7, 8, 9, 10]
@@ -84,7 +84,7 @@ def test_weight_update_reaches_every_engine(two_engines, router_url, policy_dir,
     if transport == "tensor":
         push_weights(group, model, version)
     else:
-        sender = DistributedWeightSender(group.engines, backend="gloo", timeout_s=30)
+        sender = BroadcastSender(group.engines, backend="gloo", timeout_s=30)
         sender.push(model, version)
         sender.close()
     group.resume()

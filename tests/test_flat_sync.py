@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from nano_miles.flat_sync import _view, build_plan
+from nano_miles.weights.flat_receiver import build_plan, flat_view
 
 
 class FusedQwen2(torch.nn.Module):
@@ -68,7 +68,7 @@ def test_plan_fills_fused_parameters(models):
     assert torch.equal(params["model.layers.0.mlp.gate_up_proj.weight"], torch.cat([gate, up]))
     embed = params["model.embed_tokens.weight"]
     assert torch.equal(embed[:261], hf_params["model.embed_tokens.weight"]) and embed.shape[0] == 320
-    assert torch.equal(_view(flat, *layout[0][1:]), hf_params[layout[0][0]])
+    assert torch.equal(flat_view(flat, *layout[0][1:]), hf_params[layout[0][0]])
 
 
 def test_plan_refuses_a_layout_that_does_not_fit(models):

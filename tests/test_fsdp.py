@@ -11,10 +11,10 @@ from conftest import REPO, free_port
 
 def run_step(out_path, num_procs: int) -> dict:
     if num_procs == 1:
-        cmd = [sys.executable, "-m", "nano_miles.fsdp", str(out_path)]
+        cmd = [sys.executable, "-m", "harness.fsdp_step", str(out_path)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_procs),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "nano_miles.fsdp",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "harness.fsdp_step",
                str(out_path)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

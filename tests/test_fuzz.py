@@ -15,9 +15,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_miles.channels import ControlServer, make_socket
-from nano_miles.control_msgs import COMMANDS, decode_reply, decode_request, encode_reply, encode_request
-from nano_miles.wire import WireError, decode_rollout, decode_scored, encode_rollout, encode_scored
+from nano_miles.wire.sockets import ControlServer, make_socket
+from nano_miles.wire.control import CONTROL_SCHEMA_VERSION, COMMANDS, decode_reply, decode_request, encode_reply, encode_request
+from nano_miles.wire.codec import WireError
+from nano_miles.wire.data import decode_rollout, decode_scored, encode_rollout, encode_scored
 from test_wire import edit_at, golden_messages, paths, raw
 
 # the first name of every field a WireError can point at
@@ -83,7 +84,7 @@ def requests(draw):
     args = draw(st.dictionaries(st.sampled_from(["mode", "version", "step", "group_ids", "dropped_group_ids",
                                                  "state", "x"]), values, max_size=3))
     req_id = draw(st.one_of(st.text(min_size=1, max_size=12), values))
-    return msgpack.packb({"v": 1, "kind": "request", "cmd": cmd, "req_id": req_id, "args": args})
+    return msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": req_id, "args": args})
 
 
 @FUZZ
@@ -109,7 +110,7 @@ def server(tmp_path_factory):
     ctx = zmq.Context()
     handlers = {"pause": lambda mode: {"paused": True}, "resume": lambda version: {"version": version},
                 "commit": lambda step, group_ids, dropped_group_ids: {"step": step},
-                "sync": lambda state: {}, "status": lambda: {"waiting_for": "nothing"}}
+                "restore": lambda state: {}, "status": lambda: {"waiting_for": "nothing"}}
     srv = ControlServer(ctx, f"ipc://{tmp_path_factory.mktemp('control')}/control.sock", handlers)
     yield srv
     srv.close()

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import GPU_ONLY, report
-from nano_miles.engine_client import EngineClient, parse_output
-from nano_miles.grpo import assemble_batch, token_logprobs
+from nano_miles.engine.client import EngineClient, parse_output
+from nano_miles.algo.grpo import assemble_batch, token_logprobs
 
 pytestmark = GPU_ONLY
 
@@ -26,7 +26,7 @@ MAX_PARITY_BF16 = 0.01  # mean |log p_engine - log p_trainer| over response toke
 
 @pytest.fixture(scope="module")
 def sglang_url(policy_dir, tmp_path_factory):
-    from nano_miles.sglang_spawn import start_sglang, stop_sglang
+    from harness.servers import start_sglang, stop_sglang
 
     proc, url = start_sglang(policy_dir, tmp_path_factory.mktemp("sglang") / "engine.log")
     yield url
@@ -114,8 +114,8 @@ def test_prefill_parity_bf16(sglang_url, prompts, policy_dir):
 
 
 def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, policy_dir):
-    from nano_miles.flat_sync import FlatWeightPusher
-    from nano_miles.weight_sync import push_weights
+    from nano_miles.weights.flat_sender import FlatSender
+    from nano_miles.weights.tensor_sender import push_weights
 
     client = EngineClient(sglang_url)
     probe = prompts[:16]
@@ -141,9 +141,9 @@ def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, pol
     report("parity_prefill_bf16_after_update_mean_abs", gap)
     assert gap <= MAX_PARITY_BF16
 
-    pusher = FlatWeightPusher(model)  # the same weights through the flat path: same engine state
+    pusher = FlatSender(client)  # the same weights through the flat path: same engine state
     client.pause("abort")
-    pusher.push(client, 2)
+    pusher.push(model, 2)
     client.resume()
     assert client.model_info()["weight_version"] == "2"
     after_flat = engine_scores(client, probe, responses)
@@ -153,7 +153,7 @@ def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, pol
         for n, p in model.named_parameters():
             p.copy_(original[n])
     client.pause("abort")
-    pusher.push(client, 3)
+    pusher.push(model, 3)
     client.resume()
     assert greedy(client, probe) == reference_greedy
     restored = engine_scores(client, probe, responses)
@@ -185,7 +185,7 @@ def test_pause_modes(sglang_url, prompts):
 def test_update_during_in_place_pause_keeps_requests(sglang_url, prompts, policy_dir):
     """What async mode does with pause_mode in_place: requests stay in the engine across a weight
     update (no flush: they hold KV) and finish normally on the new weights."""
-    from nano_miles.weight_sync import push_weights
+    from nano_miles.weights.tensor_sender import push_weights
 
     client = EngineClient(sglang_url)
     version = int(client.model_info()["weight_version"]) + 1

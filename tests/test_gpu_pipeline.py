@@ -12,13 +12,13 @@ pytestmark = GPU_ONLY
 
 @pytest.mark.slow
 def test_sync_pipeline_learns_on_gpu(tmp_path):
-    from nano_miles.sglang_spawn import DEFAULT_EXTRA_ARGS
-    from nano_miles.supervised_run import SupervisedRun
+    from harness.servers import SGLANG_EXTRA_ARGS
+    from harness.supervised_run import SupervisedRun
 
     num_steps = 60
     run = SupervisedRun(tmp_path / "run", [
         "--engine.kind=sglang", "--engine.dtype=bfloat16", "--engine.mem_fraction_static=0.3",
-        f"--engine.extra_args='{DEFAULT_EXTRA_ARGS}'", "--trainer.device=cuda",
+        f"--engine.extra_args='{SGLANG_EXTRA_ARGS}'", "--trainer.device=cuda",
         f"--trainer.num_steps={num_steps}", "--trainer.batch_groups=16", "--rollout.group_size=8",
         "--trainer.lr=2e-4", "--trainer.eval_every=10", "--task.num_test=200",
         "--trainer.checkpoint_every=30", "--rollout.max_inflight_groups=32"]).start()

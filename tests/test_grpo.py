@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nano_miles.grpo import assemble_batch, group_advantages, token_logprobs
+from nano_miles.algo.grpo import assemble_batch, group_advantages, token_logprobs
 
 
 def test_whitening_matches_formula():

@@ -1,6 +1,7 @@
 """The producer's ledger: leases, drops, rollbacks and restarts never lose or double-train a group."""
 
-from nano_miles.ledger import Ledger
+from nano_miles.stages.rollout.ledger import Ledger
+from nano_miles.wire.codec import position_of
 
 
 def issue(ledger, n, now_s=0.0):
@@ -38,7 +39,7 @@ def test_trainer_rollback_reissues_what_it_lost():
     issue(ledger, 6)
     ledger.on_trained(["e0-i0", "e0-i1", "e0-i2", "e0-i3"])
     # the trainer restarted from a checkpoint holding only the first two groups
-    ledger.sync(["e0-i0", "e0-i1"], cursor=4)
+    ledger.restore(["e0-i0", "e0-i1"], cursor=4)
     again = [ledger.next_group(1.0)[0] for _ in range(2)]
     assert sorted(again) == ["e0-i2", "e0-i3"]
     assert ledger.next_group(1.0)[0] == "e0-i6"  # e0-i4, e0-i5 are still out on their leases
@@ -47,7 +48,7 @@ def test_trainer_rollback_reissues_what_it_lost():
 
 def test_restarted_producer_rebuilds_from_the_trainer():
     ledger = Ledger(num_items=100, lease_s=10)  # a fresh process: knows nothing
-    ledger.sync(["e0-i0", "e0-i2", "e0-i3"], cursor=5)
+    ledger.restore(["e0-i0", "e0-i2", "e0-i3"], cursor=5)
     got = [ledger.next_group(0.0)[0] for _ in range(3)]
     assert got == ["e0-i1", "e0-i4", "e0-i5"]  # the hole first, then onward from the cursor
     assert ledger.budget_used() == 3 + 3
@@ -71,5 +72,5 @@ def test_every_prompt_once_under_random_failures():
                 ledger.on_dropped([gid])
             # else: lost in a buffer; the lease brings it back
         ledger.expire(now)
-    positions = sorted(ledger.position(g) for g in trained_at)
+    positions = sorted(position_of(g, ledger.num_items) for g in trained_at)
     assert positions[:100] == list(range(100))  # no prompt skipped below the frontier

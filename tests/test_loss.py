@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nano_miles.loss import LossConfig, ppo_loss
+from nano_miles.algo.loss import LossConfig, ppo_loss
 
 CFG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, dual_clip_c=3.0)
 
@@ -76,7 +76,7 @@ def test_config_validation():
 
 
 def test_truncated_is_weights():
-    from nano_miles.loss import truncated_is_weights
+    from nano_miles.algo.loss import truncated_is_weights
     old = torch.tensor([[-1.0, -1.0, -1.0, 5.0]])
     engine = torch.tensor([[-1.0, -2.0, -0.5, float("nan")]])
     mask = torch.tensor([[True, True, True, False]])

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nano_miles.config import load_config
-from nano_miles.local_engine.spawn import free_port
-from nano_miles.metrics import HOP_ENGINE, HOP_REWARD, HOP_TRAINER, RewardMetrics, RolloutMetrics
-from nano_miles.metrics_read import scrape_all, stage_urls
-from nano_miles.rollout import ProducerState
-from nano_miles.supervised_run import SupervisedRun
-from nano_miles.top import View
-from nano_miles.wire import RolloutGroup, Sample
+from nano_miles.run.config import load_config
+from harness.servers import free_port
+from nano_miles.observe.metrics import HOP_ENGINE, HOP_REWARD, HOP_TRAINER, RewardMetrics, RolloutMetrics
+from nano_miles.observe.scrape import scrape_all, stage_urls
+from nano_miles.stages.rollout.producer import ProducerState
+from harness.supervised_run import SupervisedRun
+from nano_miles.observe.top import View
+from nano_miles.wire.data import RolloutGroup, Sample
 
 # Tiny steps that never end by themselves: the tests stop stages to take idle readings.
 ENDLESS = ["--trainer.num_steps=100000", "--trainer.batch_groups=2", "--rollout.group_size=2",
@@ -49,7 +49,7 @@ def pipeline(tmp_path_factory):
 
 
 def top_once(run) -> str:
-    out = subprocess.run([sys.executable, "-m", "nano_miles.top", "--once", "--run-dir", str(run.run_dir),
+    out = subprocess.run([sys.executable, "-m", "nano_miles.observe.top", "--once", "--run-dir", str(run.run_dir),
                           *run.overrides], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout

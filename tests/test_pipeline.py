@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from nano_miles.supervised_run import SupervisedRun
+from harness.supervised_run import SupervisedRun
 
 # Small enough for 2 CPU cores, large enough that learning is unmistakable (see the assertions).
 LEARN = ["--trainer.num_steps=48", "--trainer.batch_groups=16", "--rollout.group_size=8",

@@ -10,10 +10,11 @@ import time
 import numpy as np
 import zmq
 
-from nano_miles.config import load_config
-from nano_miles.reward_stage import RewardStage
-from nano_miles.reward_worker import RewardFailure, RewardWorker
-from nano_miles.wire import RolloutGroup, Sample, decode_scored, encode_rollout, make_group_id
+from nano_miles.run.config import load_config
+from nano_miles.stages.reward.scorer import RewardStage
+from nano_miles.stages.reward.worker import RewardFailure, RewardWorker
+from nano_miles.wire.codec import make_group_id
+from nano_miles.wire.data import RolloutGroup, Sample, decode_scored, encode_rollout
 
 # response token -> what the reward function does with it
 BEHAVIOUR = {1: "ok", 2: "raise", 3: "hang", 4: "nan", 5: "exit"}

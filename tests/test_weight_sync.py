@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 
-from nano_miles.weight_sync import (WeightUpdateError, apply_weight_update,
-                                    deserialize_named_tensors, serialize_named_tensors, tied_names)
+from nano_miles.weights.named_tensors import WeightUpdateError, tied_names
+from nano_miles.weights.tensor_receiver import apply_weight_update, deserialize_named_tensors
+from nano_miles.weights.tensor_sender import serialize_named_tensors
 
 READER = """
 import sys, torch
-from nano_miles.weight_sync import deserialize_named_tensors
+from nano_miles.weights.tensor_receiver import deserialize_named_tensors
 named = deserialize_named_tensors(sys.stdin.read())
 print(",".join(f"{n}:{t.sum().item():.6f}" for n, t in named))
 """
@@ -85,7 +86,7 @@ def test_bad_update_leaves_model_untouched(named, match):
 
 REPEATED_READER = """
 import sys, torch
-from nano_miles.weight_sync import apply_weight_update
+from nano_miles.weights.tensor_receiver import apply_weight_update
 model = torch.nn.Linear(4, 3, bias=False)
 payload = sys.stdin.readline().strip()
 for _ in range(5):  # the same segments, mapped again and again, as with every training step

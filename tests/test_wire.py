@@ -15,12 +15,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_miles.control_msgs import (ControlReply, ControlRequest, decode_reply, decode_request,
-                                     encode_reply, encode_request)
-from nano_miles.wire import (MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE,
-                             RolloutGroup, Sample, ScoredGroup, WireError, decode_rollout,
-                             decode_scored, encode_rollout, encode_scored, make_group_id,
-                             parse_group_id)
+from nano_miles.wire.control import (CONTROL_SCHEMA_VERSION, ControlReply, ControlRequest, ProducerStatus, decode_reply,
+                                     decode_request, encode_reply, encode_request)
+from nano_miles.wire.codec import (MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE,
+                                   WireError, make_group_id, parse_group_id)
+from nano_miles.wire.data import (RolloutGroup, Sample, ScoredGroup, decode_rollout, decode_scored,
+                                  encode_rollout, encode_scored)
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -48,11 +48,21 @@ def fixed_scored() -> ScoredGroup:
                        reward_parts={"format": f32(1.0, 1.0), "accuracy": f32(1.0, 0.0)})
 
 
+def fixed_status() -> ProducerStatus:
+    return ProducerStatus(version=7, is_paused=False, waiting_for="engine replies for 1 groups", num_sent=5,
+                          num_generated_tokens=321, num_resumed_samples=2, num_failed=1, num_reissued=3,
+                          num_inflight=1, outstanding_group_ids=["e0-i2", "e0-i3"],
+                          dropped_for_good={"e0-i4": "engine_http_400"})
+
+
 def fixed_controls() -> dict[str, bytes]:
-    state = {"step": 7, "version": 7, "committed_group_ids": ["e0-i0", "e0-i1"],
-             "data_cursor": {"epoch": 0, "index": 2}}
-    return {"request_sync": encode_request("sync", "trainer-1-42", state=state),
-            "reply_status": encode_reply("trainer-1-42", "c0ffee", {"version": 7, "paused": False})}
+    state = {"step": 7, "version": 7, "committed_group_ids": ["e0-i0", "e0-i1"], "cursor": 2}
+    return {"request_restore": encode_request("restore", "trainer-1-42", state=state),
+            "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
+
+
+# schema version of each golden message: data plane v1, control plane v2
+GOLDEN_VERSIONS = {"rollout": 1, "scored": 1, "request_restore": 2, "reply_status": 2}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -63,9 +73,9 @@ def golden_messages() -> dict[str, bytes]:
 # ---------------------------------------------------------------- golden and round trips
 
 
-@pytest.mark.parametrize("name", ["rollout", "scored", "request_sync", "reply_status"])
+@pytest.mark.parametrize("name", ["rollout", "scored", "request_restore", "reply_status"])
 def test_golden_bytes(name):
-    assert golden_messages()[name] == (GOLDEN / f"{name}_v1.msgpack").read_bytes()
+    assert golden_messages()[name] == (GOLDEN / f"{name}_v{GOLDEN_VERSIONS[name]}.msgpack").read_bytes()
 
 
 def test_golden_decodes_back_equal():
@@ -89,9 +99,9 @@ def test_group_properties_and_ids():
 
 
 def test_control_round_trip():
-    state = {"step": 3, "version": 3, "committed_group_ids": ["e0-i5"], "data_cursor": {"epoch": 1, "index": 0}}
+    state = {"step": 3, "version": 3, "committed_group_ids": ["e0-i5"], "cursor": 20001}
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
-             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"]}), ("sync", {"state": state}), ("status", {})]
+             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"]}), ("restore", {"state": state}), ("status", {})]
     for cmd, args in cases:
         assert decode_request(encode_request(cmd, "r1", **args)) == ControlRequest(cmd, "r1", args)
     assert decode_reply(encode_reply("r1", "inc", {"n": [1, 2.5, None, {"a": "b"}]})) == \
@@ -232,6 +242,21 @@ def test_encoders_validate():
         encode_rollout(g)
 
 
+def test_producer_status_round_trip_and_checks():
+    status = fixed_status()
+    reply = decode_reply(encode_reply("r1", "inc", status.to_result()))
+    assert ProducerStatus.from_result(reply.result) == status and status.num_outstanding == 2
+    for key, value, match in [("num_inflight", -1, "result.num_inflight: expected an int >= 0"),
+                              ("version", -2, "result.version: expected an int >= -1"),
+                              ("is_paused", 1, "result.is_paused: expected bool"),
+                              ("outstanding_group_ids", ["e0-i1", "x"], r"outstanding_group_ids\[1\]"),
+                              ("dropped_for_good", {"e0-i1": 3}, "dropped_for_good.e0-i1: expected str")]:
+        with pytest.raises(WireError, match=match):
+            ProducerStatus.from_result({**status.to_result(), key: value})
+    with pytest.raises(WireError, match="result.waiting_for: missing"):
+        ProducerStatus.from_result({k: v for k, v in status.to_result().items() if k != "waiting_for"})
+
+
 @pytest.mark.parametrize("cmd,args,match", [
     ("reboot", {}, "cmd: unknown command 'reboot' \\(known: pause, resume"),
     ("pause", {"mode": "hard"}, "args.mode: 'hard' not in"),
@@ -243,13 +268,13 @@ def test_encoders_validate():
     ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_group_ids": []},
      "args.group_ids: duplicate group id 'e0-i1'"),
     ("commit", {"step": 1, "group_ids": []}, "args.dropped_group_ids: missing"),
-    ("sync", {"state": {"step": 1, "version": 1, "committed_group_ids": []}}, "args.state.data_cursor: missing"),
-    ("sync", {"state": {"step": 1, "version": 1, "committed_group_ids": [],
-                        "data_cursor": {"epoch": 0, "index": "3"}}}, "args.state.data_cursor.index: expected int"),
+    ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": []}}, "args.state.cursor: missing"),
+    ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": [], "cursor": "3"}},
+     "args.state.cursor: expected int"),
 ])
 def test_control_request_validation(cmd, args, match):
     # The decoder is the trust boundary, so pack by hand rather than through the (also checking) encoder.
-    data = msgpack.packb({"v": 1, "kind": "request", "cmd": cmd, "req_id": "r1", "args": args})
+    data = msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": "r1", "args": args})
     with pytest.raises(WireError, match=match):
         decode_request(data)
     with pytest.raises(WireError, match=match):
@@ -260,10 +285,10 @@ def test_control_message_validation():
     with pytest.raises(WireError, match="args.force: not an argument of status"):
         encode_request("status", "r1", force=True)
     with pytest.raises(WireError, match="req_id: expected a string of 1..128"):
-        decode_request(msgpack.packb({"v": 1, "kind": "request", "cmd": "status", "req_id": "", "args": {}}))
+        decode_request(msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": "status", "req_id": "", "args": {}}))
     with pytest.raises(WireError, match="kind: expected 'reply', got 'request'"):
         decode_reply(encode_request("status", "r1"))
-    bad_reply = {"v": 1, "kind": "reply", "req_id": "r1", "incarnation": "i", "ok": False, "error": "", "result": {}}
+    bad_reply = {"v": CONTROL_SCHEMA_VERSION, "kind": "reply", "req_id": "r1", "incarnation": "i", "ok": False, "error": "", "result": {}}
     with pytest.raises(WireError, match="error: must be non-empty exactly when ok is false"):
         decode_reply(msgpack.packb(bad_reply))
     with pytest.raises(WireError, match="result.x: non-finite value nan"):
@@ -380,5 +405,5 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     GOLDEN.mkdir(exist_ok=True)
     for name, data in golden_messages().items():
-        (GOLDEN / f"{name}_v1.msgpack").write_bytes(data)
-        print(f"wrote {GOLDEN / name}_v1.msgpack ({len(data)} bytes)")
+        (GOLDEN / f"{name}_v{GOLDEN_VERSIONS[name]}.msgpack").write_bytes(data)
+        print(f"wrote {GOLDEN / name}_v{GOLDEN_VERSIONS[name]}.msgpack ({len(data)} bytes)")

@@ -1,5 +1,5 @@
 """The scheduler: one thread that owns the model and runs requests in a continuously changing batch.
-Used by `server.py`; run the whole engine with `python procs/engine.py --model-path DIR`.
+Used by `server.py`; run the whole engine with `python -m nano_miles.local_engine --model-path DIR`.
 
 Every loop iteration, at a step boundary: run queued control commands (pause, continue, weight
 update), prefill newly admitted requests together (left-padded) and merge their KV into the running

@@ -1,5 +1,5 @@
 """HTTP layer of the local engine: SGLang's native routes over stdlib http.server.
-Run: python procs/engine.py --model-path DIR [--host 127.0.0.1] [--port 30000]
+Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--port 30000]
 
 Handler threads parse and validate; the scheduler thread owns the model. Status codes follow
 reference/sglang-contract.md: 400 `{"error": {"message"}}` for a bad /generate, the OpenAI-style
@@ -19,12 +19,13 @@ from urllib.parse import urlsplit
 from nano_miles.local_engine import ENGINE_VERSION
 from nano_miles.local_engine.protocol import generate_response, parse_generate
 from nano_miles.local_engine.sampling import SamplingParams
-from nano_miles.metrics import EngineMetrics
-from nano_miles.config import PAUSE_MODES
+from nano_miles.observe.metrics import EngineMetrics
+from nano_miles.wire.control import PAUSE_MODES
 from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped
-from nano_miles.dist_sync import WeightTransportError
+from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.local_engine.weight_group import WeightGroups
-from nano_miles.weight_sync import apply_weight_update, copy_into_model, load_weights_from_disk
+from nano_miles.weights.named_tensors import copy_into_model, load_safetensors_dir
+from nano_miles.weights.tensor_receiver import apply_weight_update
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class EngineHandler(BaseHTTPRequestHandler):
         model_path = body.get("model_path")
         if not isinstance(model_path, str) or not model_path:
             raise ValueError("model_path must be a non-empty string")
-        self._update_weights(body, lambda model: load_weights_from_disk(model, model_path),
+        self._update_weights(body, lambda model: load_safetensors_dir(model, model_path),
                              extra={"num_paused_requests": 0})
 
     def init_weights_update_group(self):

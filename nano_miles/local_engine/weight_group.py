@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from nano_miles.dist_sync import WeightTransportError, broadcast_from_rank0, new_weight_group, parse_update_meta
+from nano_miles.weights.broadcast_group import WeightTransportError, broadcast_from_rank0, new_weight_group, parse_update_meta
 
 log = logging.getLogger(__name__)
 

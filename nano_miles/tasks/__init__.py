@@ -1,8 +1,10 @@
-"""Tasks: problem sets and their reward functions, plugged in by dotted path.
+"""Tasks: problem sets and their reward functions, plugged in by dotted path, and how prompts become ids.
 Used as a library: `load_reward_fn("nano_miles.tasks.arithmetic:reward")(response, label)`.
 
-A reward function takes `(response: str, label: str)` and returns a dict of floats with at least
-the key "reward"; other keys (e.g. "format", "accuracy") are logged as reward parts.
+A task module (`task.name`) provides `make_problems(split, num, seed)`, each problem with a `prompt`
+and an `answer`. A reward function takes `(response: str, label: str)` and returns a dict of floats
+with at least the key "reward"; other keys (e.g. "format", "accuracy") are logged as reward parts.
+Prompts are tokenized once, by the producer; from there only token ids travel (never re-tokenized).
 """
 
 import importlib
@@ -33,3 +35,25 @@ def load_reward_fn(dotted: str) -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward function path {dotted!r}: {attr!r} is a {type(fn).__name__}, not callable")
     return fn
+
+
+def load_task(name: str):
+    """The task module named in the config (it provides make_problems(split, num, seed))."""
+    return importlib.import_module(name)
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def encode_prompts(tokenizer, problems) -> list[list[int]]:
+    """Prompt text -> token ids, once; from here on only ids travel (never re-tokenized)."""
+    return [tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+
+
+def make_decoder(tokenizer):
+    """Token ids -> text for the reward function (special tokens such as EOS dropped)."""
+    def decode(ids) -> str:
+        return tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+    return decode

@@ -1,0 +1,3 @@
+"""Test and benchmark harness, outside the library: engine servers as child processes (`servers.py`),
+the real supervisord pipeline in a private run directory (`supervised_run.py`), and a sharded
+training-step check (`fsdp_step.py`)."""

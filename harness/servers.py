@@ -1,0 +1,94 @@
+"""Engine servers as child processes for tests and benchmarks: the local engine, or SGLang on a GPU.
+
+`proc, url = start_local_engine(model_dir, log_path)` or `start_sglang(model_dir, log_path)`, then
+`stop_process(proc)` / `stop_sglang(proc)`. The pipeline itself starts engines under supervisord.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from nano_miles.wire.sockets import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
+# capture costs start-up time and nothing measured here depends on decode speed.
+SGLANG_EXTRA_ARGS = "--attention-backend triton --disable-cuda-graph"
+
+
+def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll `url` until it answers 200; fail early, naming it, if `proc` died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s")
+
+
+def start_local_engine(model_dir: Path | str, log_path: Path, *extra: str,
+                       timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "nano_miles.local_engine", "--model-path", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0", *extra]
+    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop_process)
+
+
+def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, stop, *,
+                 is_new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start an HTTP server process logging to `log_path`; return once `url`/health answers.
+
+    On failure the process is stopped with `stop(proc)` and the log's tail is in the error."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=is_new_session)
+    try:
+        wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
+    except (RuntimeError, TimeoutError):
+        stop(proc)
+        raise RuntimeError(f"{cmd[2]} failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
+    return proc, url
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0, *, is_group: bool = False) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; to the whole process group (a server started in its
+    own session, with children of its own) when `is_group`."""
+    if proc.poll() is not None:
+        return
+    send = (lambda sig: os.killpg(proc.pid, sig)) if is_group else proc.send_signal
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()
+
+
+def start_sglang(model_dir: Path | str, log_path: Path, *, dtype: str = "bfloat16",
+                 extra_args: str = SGLANG_EXTRA_ARGS, mem_fraction_static: float = 0.3,
+                 timeout_s: float = 420.0) -> tuple[subprocess.Popen, str]:
+    """SGLang through the pipeline's own launcher (`python -m nano_miles.engine`, engine.kind=sglang)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nano_miles.engine", f"--model.path={model_dir}",
+           "--engine.kind=sglang", f"--engine.dtype={dtype}", f"--engine.port={port}",
+           f"--engine.mem_fraction_static={mem_fraction_static}", f"--engine.extra_args={extra_args}"]
+    # own process group (new session): SGLang's scheduler and detokenizer children go down with it
+    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop_sglang,
+                        is_new_session=True)
+
+
+def stop_sglang(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    stop_process(proc, timeout_s, is_group=True)

@@ -1,0 +1,96 @@
+"""Runs the repo's real supervisord.conf in a private run directory, on private endpoints.
+
+Used by the pipeline tests and the bench scripts: `SupervisedRun(run_dir, overrides).start().wait(t)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.servers import REPO_ROOT as REPO
+from harness.servers import free_port
+from nano_miles.observe.run_record import read_jsonl
+
+
+class SupervisedRun:
+    """The repo's supervisord.conf with its run directory moved to `run_dir`, on private endpoints."""
+
+    def __init__(self, run_dir: Path, overrides: list[str], *, is_autostart: bool = True):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = (REPO / "supervisord.conf").read_text()
+        text = text.replace("%(here)s/runs/current", str(run_dir)).replace("%(here)s", str(REPO))
+        if not is_autostart:  # the test starts each stage itself, in an order of its choosing
+            text = re.sub(r"^(\[program:\w+\])$", r"\1\nautostart=false", text, flags=re.M)
+        self.conf = run_dir / "supervisord.conf"
+        self.conf.write_text(text)
+        endpoints = [f"--engine.port={free_port()}",
+                     f"--rollout.control_endpoint=ipc://{run_dir}/control.sock",
+                     f"--reward.endpoint=ipc://{run_dir}/reward.sock",
+                     f"--trainer.endpoint=ipc://{run_dir}/trainer.sock",
+                     f"--rollout.metrics_port={free_port()}", f"--reward.metrics_port={free_port()}",
+                     f"--trainer.metrics_port={free_port()}"]
+        self.overrides = endpoints + overrides  # what every stage of this run reads
+        self.env = {**os.environ,
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                    "NANOMILES_OVERRIDES": " ".join(shlex.quote(o) for o in self.overrides)}
+        self.proc: subprocess.Popen | None = None
+        self.output = run_dir / "supervisord.out"
+
+    def start(self) -> "SupervisedRun":
+        self.proc = subprocess.Popen(["supervisord", "-c", str(self.conf)], cwd=REPO, env=self.env,
+                                     stdout=self.output.open("wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run did not finish in {timeout_s}s; last output:\n{self.tail()}")
+
+    def wait_for_socket(self, timeout_s: float = 30) -> None:
+        """supervisord is up once its control socket exists (then supervisorctl works)."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.run_dir / "supervisor.sock").exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"supervisord did not come up:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def ctl(self, *args: str) -> str:
+        out = subprocess.run(["supervisorctl", "-c", str(self.conf), *args], env=self.env,
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout + out.stderr
+
+    def tail(self, num_chars: int = 4000) -> str:
+        parts = []
+        for name in ("supervisord.out", "trainer.log", "rollout.log", "reward.log", "engine.log"):
+            p = self.run_dir / name
+            if p.exists():
+                parts.append(f"--- {name}\n{p.read_text()[-num_chars:]}")
+        return "\n".join(parts)
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def stop(self) -> None:
+        """Tear down supervisord and every stage it started, whatever state they are in."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -1,0 +1,27 @@
+"""Engine slot process: starts the configured engine, the local engine or SGLang on a GPU.
+
+Run: python -m nano_miles.engine [--config FILE] [--section.key=value ...] [--print]   (usually by supervisord)
+The process replaces itself (exec) with the engine server, so supervisord's signals reach it.
+`--print` shows the command line instead of running it.
+"""
+
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from nano_miles.engine.launch import engine_command
+    from nano_miles.run.config import REPO_ROOT, config_or_exit
+
+    cfg, rest = config_or_exit(argv, "engine", __doc__)
+    cmd = engine_command(cfg)
+    if "--print" in rest:
+        print(" ".join(cmd))
+        return 0
+    # the server (and SGLang's scheduler processes, which import the flat loader) find this checkout
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

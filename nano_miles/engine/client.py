@@ -1,0 +1,222 @@
+"""HTTP client for the inference engine: SGLang (GPU) or the local engine, same native API.
+Used by the rollout producer and the trainer; try `EngineClient("http://127.0.0.1:30000").health()`.
+
+Thread-safe: each thread keeps its own keep-alive connection. Non-2xx answers raise EngineError with the
+server's message. Logprob entries are indexed (e[0], e[1]), never unpacked: SGLang sends
+[logprob, token_id, text] while some mocks send pairs.
+"""
+
+import http.client
+import json
+import logging
+import threading
+import time
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"engine answered HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _error_message(raw: bytes) -> str:
+    """The message from any of the engine's error shapes (SGLang and FastAPI use several)."""
+    text = raw.decode("utf-8", "replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return text.strip()
+
+
+def parse_output(meta_info: dict, output_ids: list[int]) -> tuple[list[int], list[float], str, str]:
+    """(tokens, behaviour logprobs, finish reason type, weight version) of one /generate response."""
+    entries = meta_info.get("output_token_logprobs") or []
+    entries = entries[:len(output_ids)]  # a prefill-only request may carry one spurious entry (§2.6)
+    tokens = [e[1] for e in entries] if entries else list(output_ids)
+    if tokens != list(output_ids):
+        raise ValueError("output_token_logprobs token ids disagree with output_ids")
+    logprobs = [e[0] for e in entries]
+    return tokens, logprobs, meta_info["finish_reason"]["type"], meta_info.get("weight_version")
+
+
+def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
+    """The weight version that generated each output token.
+
+    From `weight_versions` spans where the engine reports them (the local engine, SGLang >= 0.5.23);
+    otherwise every token gets `weight_version`, which SGLang 0.5.16 reads when the response is
+    built (exact for requests that did not live through an update, i.e. with abort-mode pauses).
+    Versions must be integers: the pipeline always tags weights with the optimizer step.
+    """
+    spans = meta_info.get("weight_versions")
+    try:
+        if not spans:
+            return [int(meta_info["weight_version"])] * num_tokens
+        versions = []
+        for span in spans:
+            versions += [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"engine reported no integer weight version ({e}); start it with "
+                         "--weight-version 0") from None
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight_versions cover {len(versions)} tokens, expected {num_tokens}")
+    return versions
+
+
+def parse_version(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class EngineClient:
+    def __init__(self, base_url: str, timeout_s: float = 600.0):
+        parts = urlsplit(base_url)
+        assert parts.scheme == "http" and parts.hostname, f"expected http://host:port, got {base_url!r}"
+        self.base_url = base_url.rstrip("/")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def _request(self, method: str, path: str, body=None, timeout_s: float | None = None) -> tuple[int, bytes]:
+        """One HTTP exchange on this thread's keep-alive connection (a new TCP connection per
+        call costs milliseconds, more than a small weight update itself)."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        timeout_s = timeout_s or self.timeout_s
+        conn = getattr(self._local, "conn", None)
+        is_reused = conn is not None
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        try:
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            self._drop_connection()
+            if is_reused:  # the server closed an idle connection before reading this request
+                return self._request(method, path, body, timeout_s)
+            raise
+        except (OSError, http.client.HTTPException):
+            self._drop_connection()
+            raise
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def _call(self, method: str, path: str, body=None, timeout_s: float | None = None):
+        status, raw = self._request(method, path, body, timeout_s)
+        if not 200 <= status < 300:
+            raise EngineError(status, _error_message(raw))
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw.decode("utf-8", "replace")
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return self._request("GET", "/health", timeout_s=timeout_s)[0] == 200
+        except OSError:  # refused, reset, timed out: not healthy (yet)
+            return False
+
+    def wait_until_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        log.info("waiting up to %.0f s for the engine at %s to become healthy", timeout_s, self.base_url)
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine at {self.base_url} not healthy after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def generate(self, input_ids, sampling_params, *, return_logprob: bool = True,
+                 logprob_start_len: int | None = None, rid=None):
+        """One prompt ([int]) -> one response dict; a batch ([[int]]) -> a list in input order."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
+        if rid is not None:
+            body["rid"] = rid
+        return self._call("POST", "/generate", body)
+
+    def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """log p(response | prompt) per response token, by a prefill-only request (§2.6, T = 1)."""
+        assert prompt_ids and response_ids, "score needs a non-empty prompt and response"
+        out = self.generate(prompt_ids + response_ids, {"max_new_tokens": 0, "temperature": 0.0},
+                            logprob_start_len=len(prompt_ids) - 1)
+        entries = out["meta_info"]["input_token_logprobs"][-len(response_ids):]
+        if [e[1] for e in entries] != list(response_ids):
+            raise ValueError("input_token_logprobs token ids disagree with the response ids")
+        return [e[0] for e in entries]
+
+    def pause(self, mode: str = "abort") -> dict:
+        return self._call("POST", "/pause_generation", {"mode": mode})
+
+    def resume(self) -> dict:
+        return self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self):
+        return self._call("GET", "/flush_cache")
+
+    def model_info(self) -> dict:
+        return self._call("GET", "/model_info")
+
+    def server_info(self) -> dict:
+        return self._call("GET", "/server_info")
+
+    def weight_version(self) -> int | None:
+        """The weight version served, as the int the pipeline tags weights with (the HTTP API carries
+        a string); None when the engine reports something else (e.g. SGLang's "default")."""
+        return parse_version(self.model_info().get("weight_version"))
+
+    def begin_weight_update(self) -> dict:
+        return self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict:
+        return self._call("POST", "/end_weight_update", {})
+
+    def _post_update(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        """POST to a weight endpoint, whose answer says `success`: false raises with the server's message."""
+        result = self._call("POST", path, body, timeout_s)
+        if not (isinstance(result, dict) and result.get("success")):
+            raise EngineError(200, f"{path}: " + (result.get("message", "weight update failed")
+                                                  if isinstance(result, dict) else repr(result)))
+        return result
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
+        return self._post_update("/update_weights_from_disk",
+                                 {"model_path": model_path, "weight_version": weight_version})
+
+    def update_weights_from_tensor(self, serialized: list[str], *, load_format: str | None = None,
+                                   weight_version: str | None = None, flush_cache: bool = True) -> dict:
+        return self._post_update("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version})
+
+    # the weight group of the distributed transport (nano_miles/dist_sync.py)
+    def init_weights_update_group(self, body: dict, timeout_s: float | None = None) -> dict:
+        return self._post_update("/init_weights_update_group", body, timeout_s)
+
+    def update_weights_from_distributed(self, body: dict, timeout_s: float | None = None) -> dict:
+        return self._post_update("/update_weights_from_distributed", body, timeout_s)
+
+    def destroy_weights_update_group(self, group_name: str, timeout_s: float | None = None) -> dict:
+        return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)

@@ -1,0 +1,38 @@
+"""The engine slot's command line: the local engine or SGLang, from the config (both serve one HTTP contract).
+
+Library module of `python -m nano_miles.engine`, which execs this command in the engine slot.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from nano_miles.run.config import Config
+from nano_miles.wire.control import keeps_requests
+
+# SGLang's scheduler imports the flat-path loader by this dotted name (a string here, so that the
+# launcher imports no torch before it execs the server)
+FLAT_LOADER = "nano_miles.weights.flat_receiver.load_flat"
+
+
+def engine_command(cfg: Config) -> list[str]:
+    """The argv of the engine server for this config (both speak the same HTTP contract)."""
+    e = cfg.engine
+    common = ["--model-path", str(cfg.model_dir), "--host", e.host, "--port", str(e.port),
+              "--weight-version", "0"]
+    if e.kind == "local":
+        return [sys.executable, "-m", "nano_miles.local_engine", *common, "--device", e.device,
+                "--dtype", e.dtype, "--num-threads", str(e.num_threads)]
+    dtype = "bfloat16" if e.dtype == "bfloat16" else "float32"
+    return [sys.executable, "-m", "sglang.launch_server", *common,
+            "--skip-tokenizer-init",                      # token ids in and out, never text
+            "--enable-metrics",                           # Prometheus /metrics on the same port
+            "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
+            "--dtype", dtype, "--random-seed", str(cfg.run.seed),
+            # lets the trainer update weights through one mapped buffer (nano_miles/weights/flat_receiver.py)
+            "--custom-weight-loader", FLAT_LOADER,
+            # paused requests kept across an update stop SGLang flushing its prefix cache: without
+            # one, no new request starts on KV of older weights
+            *(["--disable-radix-cache"] if keeps_requests(cfg.run.pause_mode) else []),
+            *shlex.split(e.extra_args)]

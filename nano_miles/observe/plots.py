@@ -1,0 +1,64 @@
+"""PNG plots of a run: reward and accuracy per step, queue depth over time; matplotlib optional.
+
+Library module used by the trainer's run record at the end of a run, and by the bench scripts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from nano_miles.observe.scrape import HOP_ENDS
+
+log = logging.getLogger(__name__)
+
+
+def pyplot_or_none(say=print):
+    """matplotlib.pyplot on the file-only Agg backend, or None (after telling `say`) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+        return None
+    return plt
+
+
+def write_plots(run_dir: Path, steps: list[dict], queues: list[dict]) -> list[Path]:
+    """reward_accuracy.png (per step) and queue_depth.png (over time) in the run directory."""
+    plt = pyplot_or_none(log.info)
+    if plt is None:
+        return []
+    written = []
+    steps = [r for r in steps if "reward" in r]
+    if steps:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs = [r["step"] for r in steps]
+        ax.plot(xs, [r["reward"] for r in steps], label="reward (batch mean)")
+        ax.plot(xs, [r["accuracy"] for r in steps], label="accuracy (batch)")
+        evals = [(r["step"], r["eval_accuracy"]) for r in steps if "eval_accuracy" in r]
+        if evals:
+            ax.plot(*zip(*evals), marker="o", ls="--", label="held-out accuracy")
+        ax.set_xlabel("step")
+        ax.legend()
+        fig.tight_layout()
+        written.append(run_dir / "reward_accuracy.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    if queues:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        t0 = queues[0]["time"]
+        for hop in HOP_ENDS:
+            points = [(q["time"] - t0, q["depth_groups"].get(hop)) for q in queues]
+            ax.plot([t for t, d in points if d is not None], [d for t, d in points if d is not None],
+                    label=hop)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("groups in the queue")
+        ax.legend()
+        fig.tight_layout()
+        written.append(run_dir / "queue_depth.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    log.info("plots written: %s", ", ".join(p.name for p in written) or "none (no data)")
+    return written

@@ -1,0 +1,50 @@
+"""Prints the outcome of a finished run from its directory (summary.json, or why it failed).
+
+Run: python -m nano_miles.observe.report [RUN_DIR]   (default runs/current); exit 1 if the run failed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def report(run_dir: Path) -> tuple[str, bool]:
+    failed = run_dir / "FAILED"
+    if failed.exists():
+        return f"run failed: {failed.read_text().strip()} (logs in {run_dir})", False
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        return f"no summary in {run_dir}: the run was stopped before it finished", False
+    s = json.loads(summary_path.read_text())
+    lines = [
+        f"run summary ({run_dir})",
+        f"  steps                    {s['num_steps']}",
+        f"  mean reward early/late   {s['reward_early']:.3f} -> {s['reward_late']:.3f} "
+        f"({s['reward_delta']:+.3f})",
+        f"  held-out accuracy        start {100 * s['eval_accuracy_start']:.1f}%  "
+        f"max {100 * s['eval_accuracy_max']:.1f}%  end {100 * s['eval_accuracy_end']:.1f}%  "
+        f"(max - start {100 * s['eval_accuracy_delta']:+.1f} points)",
+        f"  mean step time           {s['mean_step_s']:.2f}s (weight update {s['mean_update_ms']:.0f}ms)",
+        f"  max staleness            {s['staleness_max']}",
+    ]
+    if "ledger" in s:
+        led = s["ledger"]
+        lines.append(f"  prompts                  {led['num_prompts']}: {led['num_trained_once']} trained once, "
+                     f"{led['num_trained_twice']} twice, {led['num_lost']} lost, "
+                     f"{led.get('num_unfinished', 0)} unfinished at the end (ledger.json)")
+    return "\n".join(lines), True
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    text, ok = report(Path(argv[0]) if argv else Path("runs/current"))
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,239 @@
+"""The trainer's run record: one typed record per step, and what a finished run leaves in its directory.
+
+Library module; the trainer owns one `RunRecord` and writes it. In the run directory:
+
+    metrics.jsonl   one `StepRecord` per step (a step redone after a restart is written again; the
+                    last record of a step wins when the file is read back)
+    summary.json    early vs late reward, held-out accuracy start / max / end, timings, the ledger's counts
+    ledger.json     every prompt of the run: trained once (at which step), or why not
+    queues.jsonl    every hop's queue depth once a second (`queues.py`), plotted at the end (`plots.py`)
+
+and the optional TensorBoard / W&B sinks (`sinks.py`) get each step's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from nano_miles.observe.plots import write_plots
+from nano_miles.observe.queues import QueueRecorder
+from nano_miles.observe.sinks import make_sinks, scalars
+from nano_miles.wire.codec import group_id_at, position_of
+
+
+@dataclass
+class StepStats:
+    reward: float
+    format: float             # share of samples with a well-formed answer
+    accuracy: float           # share of samples with the right answer
+    pg_loss: float
+    clip_fraction: float
+    grad_norm: float
+    parity: float             # mean |log pi_trainer - log pi_engine| on response tokens, before the step
+    staleness_min: int
+    staleness_max: int
+    staleness_mean: float
+    staleness_hist: dict          # staleness -> number of samples
+    version_oldest: int           # oldest weight version a trained token came from
+    num_samples: int
+    num_tokens: int           # response tokens trained
+    update_ms: float = 0.0
+    is_weight_mean: float | None = None     # truncated IS weights (only with recomputed pi_old)
+    is_weight_max: float | None = None
+    is_weight_clipped: float | None = None
+
+    @classmethod
+    def from_groups(cls, groups, step: int, loss_out, grad_norm: float) -> "StepStats":
+        rewards = np.concatenate([g.rewards for g in groups])
+        parts = {k: np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups])
+                 for k in ("format", "accuracy")}
+        oldest = np.array([int(s.versions[0]) for g in groups for s in g.group.samples])
+        staleness = (step - 1) - oldest
+        values, counts = np.unique(staleness, return_counts=True)
+        return cls(reward=float(rewards.mean()), format=float(parts["format"].mean()),
+                   accuracy=float(parts["accuracy"].mean()), pg_loss=float(loss_out.loss.detach()),
+                   clip_fraction=loss_out.clip_fraction, grad_norm=grad_norm, parity=loss_out.parity,
+                   staleness_min=int(staleness.min()), staleness_max=int(staleness.max()),
+                   staleness_mean=float(staleness.mean()),
+                   staleness_hist={str(int(v)): int(c) for v, c in zip(values, counts)},
+                   version_oldest=int(oldest.min()),
+                   num_samples=len(rewards), num_tokens=loss_out.num_tokens)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepRecord:
+    """One training step as metrics.jsonl stores it (flat: the batch statistics sit beside the rest)."""
+
+    step: int
+    version: int                  # weight version after this step (= step)
+    stats: StepStats
+    wait_s: float                 # pulling the batch: generation, scoring and waiting
+    update_split_ms: dict         # weight update by part: pause, gather, serialize, apply, resume
+    queue_depth: int              # groups sent downstream by the producer, not yet trained or dropped
+    goodput: float | None         # trained / generated response tokens so far
+    num_resumed_samples: int      # sample segments resumed after an abort-mode pause, so far
+    group_ids: list[str]          # the groups this step trained
+    drops: dict                   # reason -> groups the trainer dropped so far
+    step_s: float = 0.0
+    elapsed_s: float = 0.0        # training wall time since step 1 (across restarts)
+    eval_s: float = 0.0
+    eval_accuracy: float | None = None  # held-out greedy accuracy, on evaluation steps only
+    phase_s: dict = field(default_factory=dict)  # the step split by phase (`step_phases`)
+
+    def to_json(self) -> dict:
+        out = {"step": self.step, "version": self.version, "wait_s": self.wait_s, **self.stats.as_dict(),
+               "update_split_ms": self.update_split_ms, "queue_depth": self.queue_depth,
+               "goodput": self.goodput, "num_resumed_samples": self.num_resumed_samples,
+               "group_ids": self.group_ids, "eval_s": self.eval_s, "step_s": self.step_s,
+               "elapsed_s": self.elapsed_s, "drops": self.drops, "phase_s": self.phase_s}
+        if self.eval_accuracy is not None:
+            out["eval_accuracy"] = self.eval_accuracy
+        return out
+
+
+def step_phases(record: StepRecord, received_times: list[tuple[float, float, float]]) -> dict[str, float]:
+    """The step split into generate, score, waiting (the pull), train, update and eval.
+
+    `received_times` are (issued, generated, received) unix times of the groups pulled. Generate runs
+    from the first issue to the last generation, score from there to the last receipt (the producer's
+    pick-up, both hops and the reward function), waiting is the rest of the pull; train is what
+    remains of the step after pull, update and eval. In async mode groups are generated before the
+    pull starts, so generate is ~0 there: the trainer did not wait for it."""
+    step_s, wait_s = record.step_s, record.wait_s
+    update_s, eval_s = record.stats.update_ms / 1000, record.eval_s
+    pull_start = time.time() - step_s
+    times = [t for t in received_times if t[2] >= pull_start] or received_times
+    generate_s = score_s = 0.0
+    if times:
+        first_issued = max(pull_start, min(t[0] for t in times))
+        last_generated = max(t[1] for t in times)
+        generate_s = min(wait_s, max(0.0, last_generated - first_issued))
+        score_s = min(wait_s - generate_s, max(0.0, max(t[2] for t in times) - last_generated))
+    return {"generate": generate_s, "score": score_s, "waiting": wait_s - generate_s - score_s,
+            "train": max(0.0, step_s - wait_s - update_s - eval_s), "update": update_s, "eval": eval_s}
+
+
+def format_step_line(r: dict, num_steps: int) -> str:
+    line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} | format {100 * r['format']:5.1f}% "
+            f"| acc {100 * r['accuracy']:5.1f}% | pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
+            f"| gnorm {r['grad_norm']:.3f} | parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
+            f"| stale {r['staleness_max']} (v{r['version_oldest']} -> v{r['step'] - 1}) "
+            f"| queue {r.get('queue_depth', 0)} | step {r['step_s']:.2f}s")
+    if "eval_accuracy" in r:
+        line += f" | held-out {100 * r['eval_accuracy']:.1f}%"
+    return line
+
+
+def merge_hists(hists) -> dict:
+    total: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items(), key=lambda kv: int(kv[0])))
+
+
+def ledger_report(state, outstanding: list[str], num_items: int,
+                  dropped_for_good: dict[str, str] | None = None) -> dict:
+    """Every prompt of the run: trained once (at which step), or why not. `num_items` is the size of
+    the train split, which maps ids to positions; `outstanding` are ids the producer still had out at
+    the end; `dropped_for_good` are ids the producer gave up on, with the reason."""
+    dropped_for_good = dropped_for_good or {}
+    trained_at: dict[str, list[int]] = {}
+    for step, ids in state.trained_by_step.items():
+        for group_id in ids:
+            trained_at.setdefault(group_id, []).append(step)
+    unfinished = set(outstanding)
+    num_prompts = max([state.cursor] + [position_of(g, num_items) + 1 for g in unfinished | set(dropped_for_good)])
+    prompts = {}
+    for position in range(num_prompts):
+        group_id = group_id_at(position, num_items)
+        steps = trained_at.get(group_id, [])
+        if steps:
+            prompts[group_id] = f"trained at step {steps[0]}" + (f" and again at {steps[1:]}" if steps[1:] else "")
+        elif group_id in dropped_for_good:
+            prompts[group_id] = f"dropped: {dropped_for_good[group_id]}"
+        elif group_id in unfinished:
+            prompts[group_id] = "dropped: still being generated when the run ended"
+        else:
+            prompts[group_id] = "lost"
+    values = list(prompts.values())
+    return {"num_prompts": num_prompts,
+            "num_trained_once": sum(v.startswith("trained") and "again" not in v for v in values),
+            "num_trained_twice": sum("again" in v for v in values),
+            "num_unfinished": sum(v.startswith("dropped: still") for v in values),
+            "num_dropped": sum(v.startswith("dropped") and not v.startswith("dropped: still") for v in values),
+            "num_lost": values.count("lost"), "prompts": prompts}
+
+
+def summarize(steps: list[dict], evals: list[list]) -> dict:
+    """Early vs late mean reward, held-out accuracy at start / max / end, and the gains."""
+    window = max(1, len(steps) // 5)
+    early = float(np.mean([r["reward"] for r in steps[:window]])) if steps else float("nan")
+    late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")
+    start_acc = evals[0][1] if evals else float("nan")
+    max_acc = max(e[1] for e in evals) if evals else float("nan")
+    return {
+        "num_steps": len(steps),
+        "reward_early": early, "reward_late": late, "reward_delta": late - early,
+        "eval_accuracy_start": start_acc, "eval_accuracy_max": max_acc,
+        "eval_accuracy_end": evals[-1][1] if evals else float("nan"),
+        "eval_accuracy_delta": max_acc - start_acc,
+        "staleness_max": max((r["staleness_max"] for r in steps), default=0),
+        "staleness_hist": merge_hists(r["staleness_hist"] for r in steps),
+        "goodput": steps[-1].get("goodput") if steps else None,
+        "drops": steps[-1].get("drops", {}) if steps else {},
+        "mean_step_s": float(np.mean([r["step_s"] for r in steps])) if steps else float("nan"),
+        "mean_update_ms": float(np.mean([r["update_ms"] for r in steps])) if steps else float("nan"),
+        "evals": evals,  # [step, held-out accuracy, seconds since training started]
+    }
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+class RunRecord:
+    """Everything of the run directory the trainer writes, besides checkpoints and its log."""
+
+    def __init__(self, cfg):
+        self.run_dir, self.is_plotted = cfg.run_dir, cfg.metrics.plots
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.sinks = make_sinks(cfg)
+        self.recorder = None
+        if cfg.metrics.queue_sample_s > 0:
+            self.recorder = QueueRecorder(cfg, self.run_dir / "queues.jsonl", cfg.metrics.queue_sample_s)
+            self.recorder.start()
+
+    def write_step(self, record: StepRecord) -> None:
+        data = record.to_json()
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({**data, "time": time.time()}) + "\n")
+        values = scalars({k: v for k, v in data.items() if k != "step"})
+        for sink in self.sinks:
+            sink.log(record.step, values)
+
+    def steps(self, last_step: int) -> list[dict]:
+        """One record per step up to `last_step`, of the surviving history (a restart re-does the
+        steps after its checkpoint: the newest record of a step wins)."""
+        by_step = {r["step"]: r for r in read_jsonl(self.metrics_path) if r["step"] <= last_step}
+        return [by_step[k] for k in sorted(by_step)]
+
+    def finish(self, steps: list[dict], summary: dict, ledger: dict) -> None:
+        """Write summary.json and ledger.json, stop the queue recorder and the sinks, draw the plots."""
+        (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.recorder is not None:
+            self.recorder.stopped.set()
+            self.recorder.join(timeout=5)
+        for sink in self.sinks:
+            sink.close()
+        if self.is_plotted:
+            write_plots(self.run_dir, steps, read_jsonl(self.run_dir / "queues.jsonl"))

@@ -1,0 +1,47 @@
+"""What every pipeline process sets up the same way: logging, the run directory, signals, threads.
+
+Library module called first by each stage's entry point (`python -m nano_miles.stages.<stage>`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+from nano_miles.run.config import Config
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to signal this process when its parent (supervisord) dies: no orphans."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def setup_process(name: str, cfg: Config, *, num_threads: int | None = None,
+                  is_log_copied: bool = False) -> logging.Logger:
+    """Logging to stderr (supervisord files it), run dir, thread count; `is_log_copied` also
+    writes the log to <run dir>/<name>.log (for a stage whose stderr goes to the terminal)."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    handlers = [logging.StreamHandler(sys.stderr)]
+    if is_log_copied:
+        handlers.append(logging.FileHandler(cfg.run_dir / f"{name}.log"))
+    logging.basicConfig(level=logging.INFO, handlers=handlers,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    die_with_parent()
+    if cfg.security.curve_dir:
+        from nano_miles.wire.sockets import use_curve
+        use_curve(cfg.security.curve_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run finally-blocks, close sockets
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in stage logs
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model paths are local directories, never a hub
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    if num_threads is not None:
+        import torch
+        torch.set_num_threads(num_threads)
+    return logging.getLogger(name)

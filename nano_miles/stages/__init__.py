@@ -1,0 +1,8 @@
+"""The pipeline's processes, one sub-package each, in the order a sample passes them:
+
+    rollout/   prompts -> engine /generate -> RolloutGroups (the producer, its ledger of issued groups)
+    reward/    RolloutGroups -> rewards and group advantages -> ScoredGroups (the reward function in a child)
+    trainer/   ScoredGroups -> GRPO steps -> weights pushed to the engine (checkpoints, evaluation)
+
+Each is started as `python -m nano_miles.stages.<stage>` (its `__main__.py`, a thin entry point).
+"""

@@ -1,0 +1,1 @@
+"""The reward stage: scores each sample and computes group advantages (`scorer.py`); the reward function runs in a child process (`worker.py`)."""

@@ -1,0 +1,25 @@
+"""Reward process: PULLs RolloutGroups, scores them, computes group advantages, PUSHes ScoredGroups.
+
+Run: python -m nano_miles.stages.reward [--config FILE] [--section.key=value ...]   (usually by supervisord)
+"""
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from nano_miles.run.config import config_or_exit
+    cfg, _ = config_or_exit(argv, "reward", __doc__)
+    import zmq
+
+    from nano_miles.run.process import setup_process
+    from nano_miles.stages.reward.scorer import RewardStage
+    from nano_miles.tasks import load_reward_fn, load_tokenizer, make_decoder
+
+    setup_process("reward", cfg, num_threads=1)
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    RewardStage(cfg, zmq.Context.instance(), reward_fn, make_decoder(load_tokenizer(cfg.model_dir))).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

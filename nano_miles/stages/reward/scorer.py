@@ -1,0 +1,101 @@
+"""The reward stage: scores every sample of a group, computes group advantages, forwards the group.
+
+Run under supervisord as `python -m nano_miles.stages.reward [--section.key=value ...]`. Stateless: a restart
+loses nothing it owned; groups caught in its buffers are re-issued upstream.
+
+The reward function runs in a child worker (`reward_worker.py`) with `reward.timeout_s` per sample: a
+sample whose function raises, hangs or returns a non-finite value gets reward 0 (parts 0), is counted
+by reason and logged in one line, and the stage goes on with the next sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from nano_miles.wire.sockets import make_socket
+from nano_miles.run.config import Config
+from nano_miles.algo.grpo import group_advantages
+from nano_miles.observe.metrics import RewardMetrics
+from nano_miles.stages.reward.worker import REASONS, RewardFailure, RewardWorker
+from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
+
+log = logging.getLogger("reward")
+
+
+def score_group(group: RolloutGroup, reward_fn, decode, on_failure=None) -> ScoredGroup:
+    """Run the reward function on each decoded response; whiten rewards inside the group.
+
+    A RewardFailure scores that sample 0 in the reward and every part; `on_failure(index, failure)`
+    is told about it."""
+    label = str(group.metadata.get("label", ""))
+    outs: list[dict[str, float]] = []
+    for index, sample in enumerate(group.samples):
+        try:
+            outs.append(reward_fn(decode(sample.response_tokens), label))
+        except RewardFailure as failure:
+            outs.append({"reward": 0.0})
+            if on_failure is not None:
+                on_failure(index, failure)
+    part_names = sorted({k for out in outs for k in out if k != "reward"})
+    rewards_arr = np.asarray([out["reward"] for out in outs], np.float32)
+    advantages = group_advantages(torch.from_numpy(rewards_arr)[None, :])[0].numpy()
+    parts = {k: np.asarray([out.get(k, 0.0) for out in outs], np.float32) for k in part_names}
+    return ScoredGroup(group, rewards_arr, advantages.astype(np.float32), parts)
+
+
+class RewardStage:
+    def __init__(self, cfg: Config, ctx: zmq.Context, reward_fn, decode):
+        self.pull = make_socket(ctx, zmq.PULL, cfg.reward.endpoint, bind=True)
+        self.push = make_socket(ctx, zmq.PUSH, cfg.trainer.endpoint, bind=False)
+        self.worker = RewardWorker(reward_fn, cfg.reward.timeout_s)
+        self.worker.start()
+        self.decode = decode
+        self.num_received = self.num_sent = self.num_rejected = 0
+        self.failures = dict.fromkeys(REASONS, 0)
+        self.metrics = RewardMetrics(cfg)
+
+    def on_failure(self, group_id: str, index: int, failure: RewardFailure) -> None:
+        self.failures[failure.reason] += 1
+        self.metrics.reward_failures.labels(failure.reason).inc()
+        log.warning("%s sample %d scored 0: %s", group_id, index, failure)
+
+    def handle(self, data: bytes) -> None:
+        try:
+            group = decode_rollout(data)
+        except WireError as e:
+            self.num_rejected += 1
+            self.metrics.rejected.inc()
+            log.warning("rejected a message: %s", e)
+            return
+        self.num_received += 1
+        self.metrics.received(group)
+        scored = score_group(group, self.worker, self.decode,
+                             lambda index, failure: self.on_failure(group.group_id, index, failure))
+        self.send(encode_scored(scored))
+        self.num_sent += 1
+        self.metrics.sent(scored)
+
+    def send(self, data: bytes, log_every_s: float = 10.0) -> None:
+        """PUSH blocks at its HWM while the trainer is down or busy (backpressure); say so while waiting."""
+        started = time.monotonic()
+        while not self.push.poll(int(log_every_s * 1000), zmq.POLLOUT):
+            log.info("waiting for the trainer to take a scored group (%.0fs)", time.monotonic() - started)
+        self.push.send(data)
+
+    def close(self) -> None:
+        self.worker.stop()
+
+    def run(self) -> None:
+        log.info("scoring groups from %s", self.pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        while True:
+            if self.pull.poll(10_000, zmq.POLLIN):
+                self.handle(self.pull.recv())
+            else:
+                log.info("idle: waiting for rollout groups (received %d, sent %d, rejected %d, "
+                         "failed samples %s)", self.num_received, self.num_sent, self.num_rejected,
+                         self.failures)

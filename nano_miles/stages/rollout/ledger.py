@@ -1,0 +1,114 @@
+"""The producer's ledger: which groups are out, which the trainer has, which must be issued again.
+
+Library module used by the rollout producer; `tests/test_ledger.py` pins its rules.
+
+A group is named by its dataset position (`group_id_at(position, num_items)` in nano_miles/wire/data.py), so every re-issue of a
+prompt carries the same id and the trainer can drop duplicates by id. States, as the producer sees
+them:
+
+    fresh (not yet issued) --issue--> outstanding --trainer's commit--> trained
+                 re-issue queue <--lease expired / dropped by the trainer / rolled back--'
+
+The trainer is the only durable party. After either side restarts, `restore` rebuilds this ledger from
+the trainer's state: the ids in its model and the data cursor (one past the furthest group it saw).
+Every id below the cursor that the trainer does not have is issued again, so a group lost in any
+stage's buffers or in a dead process comes back; an id issued twice is trained at most once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from nano_miles.wire.codec import group_id_at, position_of
+
+
+class Ledger:
+    def __init__(self, num_items: int, lease_s: float):
+        assert num_items >= 1 and lease_s > 0
+        self.num_items, self.lease_s = num_items, lease_s
+        self.cursor = 0                       # position (epoch * num_items + index) of the next fresh item
+        self.outstanding: dict[str, float] = {}  # group id -> monotonic time of its (re)issue
+        self.trained: set[str] = set()
+        self.reissue: deque[str] = deque()
+        self.attempts: dict[str, int] = {}
+        self.num_reissued = 0
+        self.dropped_for_good: dict[str, str] = {}  # id -> reason; never issued again (e.g. too long)
+
+    # ------------------------------------------------------------ issuing
+    def next_group(self, now_s: float | None = None) -> tuple[str, int, int]:
+        """(group id, dataset index, attempt) of the next group to issue: re-issues first."""
+        now_s = time.monotonic() if now_s is None else now_s
+        while self.reissue:
+            group_id = self.reissue.popleft()
+            if group_id not in self.trained and group_id not in self.outstanding \
+                    and group_id not in self.dropped_for_good:
+                break
+        else:
+            group_id = group_id_at(self.cursor, self.num_items)
+            self.cursor += 1
+        attempt = self.attempts.get(group_id, -1) + 1
+        self.attempts[group_id] = attempt
+        self.outstanding[group_id] = now_s
+        return group_id, position_of(group_id, self.num_items) % self.num_items, attempt
+
+    @property
+    def num_pending_reissue(self) -> int:
+        return len(self.reissue)
+
+    def _queue_again(self, group_id: str) -> None:
+        self.outstanding.pop(group_id, None)
+        if group_id not in self.trained and group_id not in self.reissue:
+            self.reissue.append(group_id)
+            self.num_reissued += 1
+
+    # ------------------------------------------------------------ what the trainer tells us
+    def on_trained(self, group_ids: list[str]) -> None:
+        for group_id in group_ids:
+            self.outstanding.pop(group_id, None)
+            self.trained.add(group_id)
+
+    def on_dropped(self, group_ids: list[str]) -> None:
+        """The trainer refused these (stale, from future weights, malformed...): issue them again."""
+        for group_id in group_ids:
+            self._queue_again(group_id)
+
+    def on_dropped_for_good(self, group_id: str, reason: str) -> None:
+        """A group that can never succeed (the engine refuses its prompt): out of the run, with why."""
+        self.outstanding.pop(group_id, None)
+        self.dropped_for_good[group_id] = reason
+
+    def renew(self, group_id: str, now_s: float | None = None) -> None:
+        """Restart a lease (when the group leaves the producer: downstream time is what it bounds)."""
+        if group_id in self.outstanding:
+            self.outstanding[group_id] = time.monotonic() if now_s is None else now_s
+
+    def expire(self, now_s: float | None = None, busy: frozenset | set = frozenset()) -> list[str]:
+        """Outstanding groups whose lease ran out (lost in a dead stage's buffers) go back in line;
+        `busy` ids are still being generated here and keep their lease."""
+        now_s = time.monotonic() if now_s is None else now_s
+        expired = [g for g, issued_s in self.outstanding.items()
+                   if g not in busy and now_s - issued_s > self.lease_s]
+        for group_id in expired:
+            self._queue_again(group_id)
+        return expired
+
+    def restore(self, trained_ids: list[str], cursor: int) -> None:
+        """Adopt the trainer's truth: `trained_ids` are in its model, it saw nothing at or past `cursor`."""
+        trained = set(trained_ids)
+        lost = self.trained - trained                 # trained, then lost with a trainer restart
+        self.trained = trained
+        for group_id in lost:
+            self._queue_again(group_id)
+        if cursor > self.cursor:
+            self.cursor = cursor
+        # every id below the cursor that is neither trained nor out is a hole: issue it again
+        for position in range(self.cursor):
+            group_id = group_id_at(position, self.num_items)
+            if group_id not in trained and group_id not in self.outstanding \
+                    and group_id not in self.dropped_for_good:
+                self._queue_again(group_id)
+
+    def budget_used(self) -> int:
+        """Groups that count against the version gate: in the model or on their way to it."""
+        return len(self.trained) + len(self.outstanding)

@@ -1,0 +1,281 @@
+"""The rollout producer: turns dataset prompts into `RolloutGroup`s with the engine, under a version gate.
+
+Run under supervisord as `python -m nano_miles.stages.rollout [--section.key=value ...]`.
+
+It owns the dataset cursor (in its `Ledger`) and the in-flight requests; it serves the REP end of the
+control channel and PUSHes finished groups to the reward stage. Nothing is generated before the
+trainer's first `resume(version)`: the trainer decides which weights serve, the producer follows.
+
+The version gate is the whole flow control. Step k trains batch_groups groups on weights of version
+k - 1, so with `version` served, the groups the model already has plus those on their way may not
+exceed (version + 1 + max_staleness) * batch_groups. With max_staleness 0 (sync mode) the rollout of
+step k starts only after weights k - 1 are in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from nano_miles.wire.sockets import ControlServer, make_socket
+from nano_miles.run.config import Config
+from nano_miles.engine.client import EngineError, parse_output, token_versions
+from nano_miles.engine.group import make_engine
+from nano_miles.stages.rollout.ledger import Ledger
+from nano_miles.observe.metrics import RolloutMetrics
+from nano_miles.wire.control import ProducerStatus
+from nano_miles.wire.data import RolloutGroup, Sample, encode_rollout
+
+log = logging.getLogger("rollout")
+
+MAX_SEGMENTS_PER_SAMPLE = 64  # a sample aborted this often means the engine is stuck in a pause loop
+MAX_OUTBOX = 64               # finished groups held while reward does not take them (backpressure)
+ENGINE_RETRY_S = (0.5, 1, 2, 4, 8)  # backoff between attempts at a group the engine failed
+RETRYABLE_4XX = (408, 409, 429)     # timeout, conflict, too many requests: worth another try
+
+
+def is_permanent(e: Exception) -> bool:
+    """A 4xx that will fail the same way every time (e.g. the prompt is longer than the context)."""
+    return isinstance(e, EngineError) and 400 <= e.status < 500 and e.status not in RETRYABLE_4XX
+
+
+@dataclass
+class ProducerState:
+    """Counters and flags; the dataset position and leases live in the ledger."""
+
+    version: int = -1                 # weight version the engine serves; -1 = not told yet
+    is_paused: bool = True            # paused until the first resume
+    num_sent: int = 0
+    num_failed: int = 0               # engine failures (each retried)
+    num_generated_tokens: int = 0     # response tokens of every group sent (goodput's denominator)
+    num_resumed_samples: int = 0      # sample segments resubmitted after an abort-mode pause
+    inflight: dict[str, Future] = field(default_factory=dict)
+
+
+def version_allows(budget_used: int, version: int, batch_groups: int, max_staleness: int) -> bool:
+    """May one more group start while the engine serves `version`? (see module doc)"""
+    return version >= 0 and budget_used < (version + 1 + max_staleness) * batch_groups
+
+
+class RolloutProducer:
+    def __init__(self, cfg: Config, ctx: zmq.Context, problems, prompt_ids: list[list[int]]):
+        self.cfg = cfg
+        self.problems = problems
+        self.prompt_ids = prompt_ids
+        self.state = ProducerState()
+        self.ledger = Ledger(len(problems), cfg.rollout.lease_s)
+        self.engine = make_engine(cfg.engine)  # generation through the router when there is one
+        self.lock = threading.Lock()  # counters written by the generate threads
+        self.pool = ThreadPoolExecutor(max_workers=cfg.rollout.max_inflight_groups,
+                                       thread_name_prefix="generate")
+        self.push = make_socket(ctx, zmq.PUSH, cfg.reward.endpoint, bind=False,
+                                hwm_msgs=cfg.rollout.max_inflight_groups)
+        self.outbox: deque[tuple[RolloutGroup, bytes]] = deque()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)  # a full pipe already means "wake up"
+        self.control = ControlServer(ctx, cfg.rollout.control_endpoint, {
+            "pause": self.on_pause, "resume": self.on_resume, "status": self.on_status,
+            "restore": self.on_restore, "commit": self.on_commit})
+        self.max_staleness = cfg.run.effective_max_staleness
+        self.metrics = RolloutMetrics(cfg, self.state)
+
+    # ------------------------------------------------------------ control commands (idempotent)
+    def on_pause(self, mode: str) -> dict:
+        self.state.is_paused = True
+        return self.on_status()
+
+    def on_resume(self, version: int) -> dict:
+        self.state.version = version  # the trainer may go back after a restart: it knows best
+        self.state.is_paused = False
+        return self.on_status()
+
+    def on_restore(self, state: dict) -> dict:
+        self.ledger.restore(state["committed_group_ids"], state["cursor"])
+        self.state.version = state["version"]
+        log.info("restored from the trainer: step %d, version %d, %d groups trained, %d to issue again",
+                 state["step"], state["version"], len(self.ledger.trained), self.ledger.num_pending_reissue)
+        return self.on_status()
+
+    def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str]) -> dict:
+        self.ledger.on_trained(group_ids)
+        self.ledger.on_dropped(dropped_group_ids)
+        return self.on_status()
+
+    def on_status(self) -> dict:
+        s = self.state
+        if s.is_paused:
+            waiting = "the trainer's resume"
+        elif self.outbox:
+            waiting = f"the reward stage to take {len(self.outbox)} finished groups"
+        elif s.inflight:
+            waiting = f"engine replies for {len(s.inflight)} groups"
+        else:
+            waiting = f"weights newer than version {s.version} (the version gate)"
+        return ProducerStatus(
+            version=s.version, is_paused=s.is_paused, waiting_for=waiting, num_sent=s.num_sent,
+            num_generated_tokens=s.num_generated_tokens, num_resumed_samples=s.num_resumed_samples,
+            num_failed=s.num_failed, num_reissued=self.ledger.num_reissued, num_inflight=len(s.inflight),
+            outstanding_group_ids=sorted(self.ledger.outstanding),
+            dropped_for_good=dict(self.ledger.dropped_for_good)).to_result()
+
+    # ------------------------------------------------------------ generation
+    def issue(self) -> None:
+        group_id, index, attempt = self.ledger.next_group()
+        self.metrics.issued()
+        fut = self.pool.submit(self.generate_group, group_id, index, attempt)
+        fut.add_done_callback(lambda _: os.write(self.wake_w, b"."))  # wake the loop at once
+        self.state.inflight[group_id] = fut
+
+    def generate_group(self, group_id: str, index: int, attempt: int = 0) -> RolloutGroup:
+        """G samples for one prompt; samples cut by an abort-mode pause are resumed (partial rollout).
+
+        A resumed sample continues from `prompt + its tokens so far` with the remaining token
+        budget; each segment keeps the logprobs and versions of the weights that produced it, and
+        nothing is re-tokenized at the seam.
+        """
+        r = self.cfg.rollout
+        prompt = self.prompt_ids[index]
+        started = time.time()
+        tokens: list[list[int]] = [[] for _ in range(r.group_size)]
+        logprobs: list[list[float]] = [[] for _ in range(r.group_size)]
+        versions: list[list[int]] = [[] for _ in range(r.group_size)]
+        finish = [""] * r.group_size
+        pending = list(range(r.group_size))
+        for _ in range(MAX_SEGMENTS_PER_SAMPLE):
+            params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
+                       "top_p": r.top_p, "top_k": r.top_k} for i in pending]
+            outputs = self.generate_with_retry([prompt + tokens[i] for i in pending], params)
+            still_pending = []
+            for i, out in zip(pending, outputs):
+                seg_tokens, seg_logprobs, reason, _ = parse_output(out["meta_info"], out["output_ids"])
+                tokens[i] += seg_tokens
+                logprobs[i] += seg_logprobs
+                versions[i] += token_versions(out["meta_info"], len(seg_tokens))
+                if reason == "abort" and len(tokens[i]) < r.max_new_tokens:
+                    still_pending.append(i)
+                else:
+                    finish[i] = "length" if reason == "abort" else reason
+            if still_pending:
+                with self.lock:
+                    self.state.num_resumed_samples += len(still_pending)
+            pending = still_pending
+            if not pending:
+                break
+        else:
+            raise EngineError(0, f"samples of {group_id} were aborted {MAX_SEGMENTS_PER_SAMPLE} times")
+        samples = [Sample(np.asarray(tokens[i], np.int32), np.asarray(logprobs[i], np.float32),
+                          np.asarray(versions[i], np.int32), finish[i]) for i in range(r.group_size)]
+        return RolloutGroup(group_id, attempt, np.asarray(prompt, np.int32), samples,
+                            metadata={"label": self.problems[index].answer, "index": index},
+                            timestamps={"issued": started, "generated": time.time()})
+
+    def generate_with_retry(self, input_ids: list[list[int]], params: list[dict]) -> list[dict]:
+        """/generate, retried with backoff while the engine is down or failing (never dropped).
+
+        After a failure the request waits until the engine serves the expected weights again: a
+        restarted engine comes back with base weights, and the trainer re-pushes the current ones.
+        """
+        for delay_s in (*ENGINE_RETRY_S, None):
+            try:
+                return self.engine.generate(input_ids, params)
+            except (EngineError, OSError) as e:
+                with self.lock:
+                    self.state.num_failed += 1
+                self.metrics.engine_failures.inc()
+                if delay_s is None or is_permanent(e):
+                    raise
+                log.warning("engine failed a request (%s); retrying in %.1fs", e, delay_s)
+                time.sleep(delay_s)
+                self.wait_for_engine_version()
+        raise AssertionError("unreachable")
+
+    def wait_for_engine_version(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                served = self.engine.weight_version()
+                if served is not None and served >= self.state.version:
+                    return
+            except (EngineError, OSError):
+                pass
+            time.sleep(0.5)
+        log.warning("engine at %s still not serving version %d after %.0fs", self.cfg.engine.url,
+                    self.state.version, timeout_s)
+
+    # ------------------------------------------------------------ the loop
+    def collect(self) -> None:
+        for group_id, fut in list(self.state.inflight.items()):
+            if not fut.done():
+                continue
+            del self.state.inflight[group_id]
+            try:
+                group = fut.result()
+            except (EngineError, OSError, ValueError) as e:
+                if is_permanent(e):  # retrying cannot help: out of the run, reported with the reason
+                    reason = f"engine_http_{e.status}"
+                    log.warning("group %s dropped for good (%s): %s", group_id, reason, e.message[:200])
+                    self.ledger.on_dropped_for_good(group_id, reason)
+                    self.metrics.dropped_for_good.labels(reason).inc()
+                    continue
+                # the engine failed this group after every retry: it goes back in line, nothing is lost
+                log.warning("group %s failed (%s); it will be issued again", group_id, e)
+                self.ledger.on_dropped([group_id])
+                continue
+            self.outbox.append((group, encode_rollout(group)))
+            self.state.num_generated_tokens += group.num_tokens - len(group.prompt_tokens)
+
+    def flush_outbox(self) -> None:
+        """Hand finished groups to reward without ever blocking the control loop."""
+        while self.outbox:
+            group, data = self.outbox[0]
+            try:
+                self.push.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.outbox.popleft()
+            self.ledger.renew(group.group_id)
+            self.state.num_sent += 1
+            self.metrics.sent(group)
+
+    def may_issue(self) -> bool:
+        s = self.state
+        return (not s.is_paused and len(s.inflight) < self.cfg.rollout.max_inflight_groups
+                and len(self.outbox) < MAX_OUTBOX
+                and version_allows(self.ledger.budget_used(), s.version, self.cfg.trainer.batch_groups,
+                                   self.max_staleness))
+
+    def run(self, *, poll_s: float = 0.05) -> None:
+        """The loop: answer control, hand on finished groups, expire leases, issue under the gate.
+
+        It sleeps in one poll on the control socket and a self-pipe that every finished generation
+        writes to, so a finished group moves on at once, without a polling delay."""
+        log.info("serving control on %s; waiting for the trainer's resume", self.cfg.rollout.control_endpoint)
+        poller = zmq.Poller()
+        poller.register(self.control.sock, zmq.POLLIN)
+        poller.register(self.wake_r, zmq.POLLIN)
+        next_expiry_s = 0.0
+        while True:
+            events = dict(poller.poll(int(poll_s * 1000)))
+            if self.wake_r in events:
+                os.read(self.wake_r, 4096)
+            if self.control.sock in events:
+                self.control.poll_once(0)
+            self.collect()
+            self.flush_outbox()
+            now = time.monotonic()
+            if now >= next_expiry_s and not self.outbox:  # while reward is stuck, leases wait too
+                expired = self.ledger.expire(now, busy=set(self.state.inflight))
+                if expired:
+                    log.warning("lease expired for %d groups (lost downstream?); issuing them again: %s",
+                                len(expired), ", ".join(expired[:8]))
+                next_expiry_s = now + 1.0
+            while self.may_issue():
+                self.issue()

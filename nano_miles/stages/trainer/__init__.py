@@ -1,0 +1,1 @@
+"""The trainer: the step loop (`step_loop.py`), its peers engine and producer (`peers.py`), checkpoints (`checkpoint.py`) and held-out evaluation (`evaluate.py`)."""

@@ -1,0 +1,42 @@
+"""Trainer process: scored groups -> GRPO steps -> weight hot-updates of the engine; ends the run.
+
+Run: python -m nano_miles.stages.trainer [--config FILE] [--section.key=value ...]   (usually by supervisord)
+Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
+"""
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    from nano_miles.run.config import config_or_exit
+    cfg, _ = config_or_exit(argv, "trainer", __doc__)
+    import logging
+
+    import torch
+    import zmq
+    from transformers import AutoModelForCausalLM
+
+    from nano_miles.run.process import setup_process
+    from nano_miles.stages.trainer.evaluate import make_evaluator
+    from nano_miles.stages.trainer.step_loop import Trainer
+    from nano_miles.tasks import load_reward_fn, load_tokenizer
+    from nano_miles.wire.sockets import ControlTimeout
+
+    setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
+    (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
+    torch.manual_seed(cfg.run.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
+    model.to(cfg.trainer.device)
+    tokenizer = load_tokenizer(cfg.model_dir)
+    evaluator = make_evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    try:
+        Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
+    except (TimeoutError, ControlTimeout) as e:  # a peer gone for good: exit, supervisord restarts us
+        logging.getLogger("trainer").error("cannot continue: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

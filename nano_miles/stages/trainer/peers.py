@@ -1,0 +1,160 @@
+"""The trainer's peers: the engine (weights, evaluation) and the rollout producer (control channel).
+
+Library module used by the step loop (`step_loop.py`). Every call here survives the other side restarting:
+
+* the producer restarted (its incarnation changed) -> `restore` the trainer's durable state, `resume`;
+* the engine restarted (it serves base weights again) -> push the current weights before anything;
+* the engine or producer is down -> wait for it, with a log line naming what is awaited, up to a
+  deadline; past it, raise, so that the trainer exits non-zero and supervisord restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import zmq
+
+from nano_miles.engine.client import EngineClient, EngineError
+from nano_miles.engine.group import make_engine
+from nano_miles.run.config import Config
+from nano_miles.wire.control import ProducerStatus, keeps_requests
+from nano_miles.weights.broadcast_group import WeightTransportError
+from nano_miles.weights.broadcast_sender import BroadcastSender
+from nano_miles.weights.tensor_sender import TensorSender
+from nano_miles.wire.sockets import ControlClient, ControlTimeout
+
+log = logging.getLogger("trainer")
+
+PEER_TIMEOUT_S = 600.0   # how long the trainer waits for a dead engine or producer to come back
+
+
+def make_sender(cfg: Config, engine):
+    """The weight transport the config asks for; every one has `push(model, version, flush_cache=)`
+    and `close()` (drop state an engine restart invalidates)."""
+    e = cfg.engine
+    if e.weight_transport == "distributed":
+        return BroadcastSender([EngineClient(u, timeout_s=e.request_timeout_s) for u in e.engine_urls],
+                               backend=e.weight_group_backend, master_address=e.weight_group_address,
+                               master_port=e.weight_group_port, timeout_s=e.weight_group_timeout_s)
+    return TensorSender(engine)
+
+
+class Peers:
+    def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], dict], *,
+                 on_producer_restart: Callable[[], None] = lambda: None):
+        t = cfg.trainer
+        self.cfg = cfg
+        self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
+        self.sender = make_sender(cfg, self.engine)
+        self.control = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=t.control_timeout_s,
+                                     retries=t.control_retries)
+        self.durable_state = durable_state  # the trainer's durable state, as `restore` sends it
+        self.on_producer_restart = on_producer_restart
+        self.version = -1                   # what the engine serves, as far as we know
+        self.producer: ProducerStatus | None = None  # from the producer's last reply
+        self.update_split_ms: dict[str, float] = {}
+        self.num_engine_repushes = 0
+        self.num_producer_restores = 0
+
+    # ------------------------------------------------------------------ producer
+    def request(self, cmd: str, **args) -> ProducerStatus:
+        """A control command that waits out a restarting producer and restores a restarted one."""
+        deadline = time.monotonic() + PEER_TIMEOUT_S
+        while True:
+            try:
+                result = self.control.request(cmd, **args)
+                break
+            except ControlTimeout:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("waiting for the rollout producer at %s (%s)", self.cfg.rollout.control_endpoint, cmd)
+        status = ProducerStatus.from_result(result)
+        if self.control.is_server_restarted:
+            self.control.is_server_restarted = False
+            log.warning("the rollout producer restarted (new incarnation): restoring it")
+            self.on_producer_restart()
+            status = self.restore()
+        self.producer = status
+        return status
+
+    def restore(self) -> ProducerStatus:
+        """Give a (re)started producer the trainer's truth and let it generate again."""
+        self.num_producer_restores += 1
+        state = self.durable_state()
+        log.info("restoring the producer: step %d, %d groups trained", state["step"],
+                 len(state["committed_group_ids"]))
+        self.request("restore", state=state)
+        return self.request("resume", version=self.version)
+
+    # ------------------------------------------------------------------ engine
+    def with_engine(self, what: str, fn: Callable):
+        """Run `fn()`; if the engine is down or failing, wait for it and try again (bounded)."""
+        deadline = time.monotonic() + PEER_TIMEOUT_S
+        while True:
+            try:
+                return fn()
+            except (EngineError, OSError, WeightTransportError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("engine failed during %s (%s); waiting for it", what, e)
+                self.engine.wait_until_healthy(max(1.0, deadline - time.monotonic()))
+
+    def update_weights(self, model, version: int, *, tell_producer: bool = True) -> float:
+        """pause -> push weights tagged `version` -> resume; returns seconds taken.
+
+        The split (pause / gather / serialize / apply / resume) is kept in `self.update_split_ms`."""
+        mode = self.cfg.run.pause_mode
+        t0 = time.perf_counter()
+        # Sync mode with nothing in flight (the version gate holds the producer until `resume`):
+        # there is nothing to pause, so the update skips two round trips to each side.
+        is_idle = (self.cfg.run.mode == "sync" and tell_producer
+                   and self.producer is not None and self.producer.num_inflight == 0)
+        # A kept request needs nothing from the producer, and the engine queues new ones while
+        # paused: only an abort needs the producer to stop and collect its partial samples first.
+        if tell_producer and not is_idle and not keeps_requests(mode):
+            self.request("pause", mode=mode)
+        times = self.with_engine("weight update", lambda: self._push(model, version, mode, is_idle))
+        if tell_producer:
+            self.request("resume", version=version)
+        t3 = time.perf_counter()
+        self.update_split_ms = {k: 1000 * v for k, v in times.items()}
+        return t3 - t0
+
+    def _push(self, model, version: int, mode: str, is_idle: bool = False) -> dict[str, float]:
+        t0 = time.perf_counter()
+        if not is_idle:
+            self.engine.pause(mode)
+        t1 = time.perf_counter()
+        flush_cache = is_idle or not keeps_requests(mode)  # kept requests hold KV: SGLang cannot flush then
+        push = self.sender.push(model, version, flush_cache=flush_cache)
+        t2 = time.perf_counter()
+        if not is_idle:
+            self.engine.resume()
+        self.version = version
+        return {"pause": t1 - t0, "resume": time.perf_counter() - t2,
+                **{k[:-2]: v for k, v in push.items() if k != "total_s"}}
+
+    def check_peers(self, model, version: int) -> None:
+        """While waiting for data: restore weights on a restarted engine, restore a restarted producer."""
+        try:
+            served = self.engine.weight_version()
+        except (EngineError, OSError):
+            log.warning("engine at %s is not answering; waiting for it", self.cfg.engine.url)
+            served = version  # nothing to restore until it answers
+        if served != version:
+            log.warning("engine serves weight version %s, expected %d (restarted?): pushing weights again",
+                        served, version)
+            self.num_engine_repushes += 1
+            self.sender.close()  # e.g. the restarted engine left the weight group
+            self.update_weights(model, version)
+        self.request("status")
+
+    def engine_busy_s(self) -> float | None:
+        """Seconds the engine spent in forward passes (the local engine reports it; SGLang not)."""
+        try:
+            states = self.engine.server_info().get("internal_states") or [{}]
+        except (EngineError, OSError):
+            return None
+        return states[0].get("busy_s")

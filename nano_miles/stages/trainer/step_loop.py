@@ -1,0 +1,276 @@
+"""The trainer: pulls scored groups, takes GRPO steps, hot-updates the engine's weights, evaluates.
+
+Run under supervisord as `python -m nano_miles.stages.trainer [--section.key=value ...]`.
+The modules it names, in the order a batch meets them: `nano_miles/wire/data.py` (decode),
+`nano_miles/algo/grpo.py` (assemble, log-probs), `nano_miles/algo/loss.py` (loss), `peers.py`
+(commit, weight update through `nano_miles/weights/`), `checkpoint.py`, `nano_miles/observe/run_record.py`.
+
+The step loop (`Trainer.train`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
+update weights -> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer,
+version, data cursor, which groups each step trained); after a crash it resumes from its newest
+checkpoint, and every group trained after that checkpoint is issued again by the producer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+import zmq
+
+from nano_miles.algo.grpo import assemble_batch, token_logprobs
+from nano_miles.algo.loss import LossConfig, ppo_loss, truncated_is_weights
+from nano_miles.observe.metrics import TrainerMetrics
+from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
+                                           step_phases, summarize)
+from nano_miles.run.config import Config
+from nano_miles.stages.trainer.checkpoint import TrainerState, complete_checkpoints, load_checkpoint, save_checkpoint
+from nano_miles.stages.trainer.peers import Peers
+from nano_miles.wire.codec import WireError, position_of
+from nano_miles.wire.data import ScoredGroup, decode_scored
+from nano_miles.wire.sockets import make_socket
+
+log = logging.getLogger("trainer")
+
+PULL_TIMEOUT_S = 900.0   # no scored group for this long: something upstream is broken for good
+CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the producer this often
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: zmq.Context, model, evaluator, pad_id: int):
+        self.cfg, self.model, self.evaluator, self.pad_id = cfg, model, evaluator, pad_id
+        t = cfg.trainer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
+        self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
+        self.max_staleness = cfg.run.effective_max_staleness
+        self.state = TrainerState()
+        self.trained_ids: set[str] = set()
+        self.num_items = cfg.task.num_train  # group ids <-> dataset positions
+        self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
+        self.peers = Peers(cfg, ctx, self.durable_state,
+                          on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
+        self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
+        self.drops: dict[str, int] = {}
+        self.num_received = 0              # groups pulled, trained or not
+        self.num_trained_tokens = 0        # response tokens trained (goodput's numerator)
+        self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
+        self.run_dir = cfg.run_dir
+        self.record = RunRecord(cfg)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict:
+        self.resume_from_checkpoint()
+        self.connect()
+        self.started = time.perf_counter() - self.state.elapsed_s
+        engine_busy_start = self.peers.engine_busy_s()
+        if self.step == 0:
+            self.state.evals.append(self.evaluate())
+        while self.step < self.cfg.trainer.num_steps:
+            self.state.step += 1
+            started = time.perf_counter()
+            groups, wait_s = self.pull_batch()
+            stats = self.optimize(groups)
+            self.peers.request("commit", step=self.step, group_ids=self.state.trained_by_step[self.step],
+                              dropped_group_ids=self.take_dropped())
+            # after the last step the producer is not resumed: nothing more will be trained
+            stats.update_ms = 1000 * self.peers.update_weights(
+                self.model, self.step, tell_producer=self.step < self.cfg.trainer.num_steps)
+            self.state.version = self.step
+            record = self.step_record(stats, wait_s)
+            if self.is_due(self.cfg.trainer.eval_every):
+                eval_started = time.perf_counter()
+                self.state.evals.append(self.evaluate())
+                record.eval_accuracy = self.state.evals[-1][1]
+                record.eval_s = time.perf_counter() - eval_started  # part of this step, not training
+            record.step_s = time.perf_counter() - started
+            record.elapsed_s = self.state.elapsed_s = time.perf_counter() - self.started
+            record.phase_s = step_phases(record, self.received_times)
+            self.received_times = []
+            log.info(format_step_line(record.to_json(), self.cfg.trainer.num_steps))
+            self.metrics.step_done(record)
+            self.record.write_step(record)
+            if self.is_due(self.cfg.trainer.checkpoint_every):
+                save_checkpoint(self.run_dir / "checkpoints", self.model, self.optimizer, self.state)
+        return self.finish(engine_busy_start)
+
+    def is_due(self, every: int) -> bool:
+        return self.step == self.cfg.trainer.num_steps or (every > 0 and self.step % every == 0)
+
+    # ------------------------------------------------------------------ start and end
+    def resume_from_checkpoint(self) -> None:
+        checkpoints = complete_checkpoints(self.run_dir / "checkpoints")
+        if checkpoints:
+            self.state = load_checkpoint(checkpoints[-1], self.model, self.optimizer)
+            log.warning("resumed from %s: step %d, %d groups trained", checkpoints[-1].name,
+                        self.step, len(self.state.trained_ids))
+        self.trained_ids = self.state.trained_ids
+
+    def connect(self) -> None:
+        """Handshake: engine healthy and serving our weights, producer synced and resumed."""
+        self.peers.engine.wait_until_healthy(600)
+        self.peers.update_weights(self.model, self.state.version, tell_producer=False)
+        self.peers.request("status")
+        self.peers.restore()
+        log.info("pipeline connected: engine %s, producer %s, step %d, version %d", self.cfg.engine.url,
+                 self.cfg.rollout.control_endpoint, self.step, self.state.version)
+
+    def durable_state(self) -> dict:
+        """What `restore` gives a (re)started producer: the checkpointed truth of this trainer."""
+        return {"step": self.step, "version": self.state.version,
+                "committed_group_ids": sorted(self.trained_ids), "cursor": self.state.cursor}
+
+    def finish(self, engine_busy_start: float | None) -> dict:
+        status = self.peers.request("status")
+        report = ledger_report(self.state, status.outstanding_group_ids, self.num_items, status.dropped_for_good)
+        steps = self.record.steps(self.step)
+        summary = summarize(steps, self.state.evals)
+        wall_s = time.perf_counter() - self.started
+        busy_end = self.peers.engine_busy_s()
+        summary.update(wall_s=wall_s, ledger={k: v for k, v in report.items() if k.startswith("num_")},
+                       engine_final_version=self.peers.with_engine(
+                           "final check", lambda: self.peers.engine.model_info()["weight_version"]),
+                       final_parity=self.final_parity(),
+                       engine_repushes=self.peers.num_engine_repushes,
+                       producer_restores=self.peers.num_producer_restores,
+                       trainer_idle_fraction=sum(r["wait_s"] for r in steps) / wall_s,
+                       engine_idle_fraction=(None if busy_end is None or engine_busy_start is None
+                                             else 1 - (busy_end - engine_busy_start) / wall_s))
+        self.record.finish(steps, summary, report)
+        log.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "evals"}))
+        return summary
+
+    # ------------------------------------------------------------------ stages of a step
+    def pull_batch(self) -> tuple[list[ScoredGroup], float]:
+        """Pull until `batch_groups` fresh groups; drop (and count) stale, future or duplicate ones."""
+        started = last_check = time.perf_counter()
+        batch: list[ScoredGroup] = []
+        batch_ids: set[str] = set()
+        while len(batch) < self.cfg.trainer.batch_groups:
+            if not self.pull.poll(1000, zmq.POLLIN):
+                waited = time.perf_counter() - started
+                if waited > PULL_TIMEOUT_S:
+                    raise TimeoutError(f"no scored groups for {waited:.0f}s (have {len(batch)})")
+                if time.perf_counter() - last_check > CHECK_EVERY_S:
+                    log.info("waiting for scored groups: %d/%d after %.0fs; checking engine and producer",
+                             len(batch), self.cfg.trainer.batch_groups, waited)
+                    self.peers.check_peers(self.model, self.state.version)
+                    last_check = time.perf_counter()
+                continue
+            if self.dropped_ids:  # report refusals now: in sync mode their replacements are awaited
+                self.peers.request("commit", step=max(0, self.step - 1), group_ids=[],
+                                  dropped_group_ids=self.take_dropped())
+            data = self.pull.recv()
+            self.num_received += 1
+            try:
+                scored = decode_scored(data)
+            except WireError as e:
+                self.count_drop("malformed")
+                log.warning("dropped a malformed message: %s", e)
+                continue
+            self.metrics.received(scored)
+            group = scored.group
+            self.received_times.append((group.timestamps.get("issued", 0.0), group.timestamps.get("generated", 0.0),
+                                        time.time()))
+            newest = max(int(s.versions[-1]) for s in group.samples)
+            staleness = (self.step - 1) - group.oldest_version
+            self.state.cursor = max(self.state.cursor, position_of(group.group_id, self.num_items) + 1)
+            if group.group_id in self.trained_ids or group.group_id in batch_ids:
+                self.count_drop("duplicate")  # trained already: nothing to re-issue
+            elif newest > self.step - 1:
+                self.count_drop("future_version", group.group_id)  # weights rolled back by a restart
+            elif staleness > self.max_staleness:
+                self.count_drop("stale", group.group_id)
+            else:
+                self.metrics.staleness.observe(staleness)
+                batch.append(scored)
+                batch_ids.add(group.group_id)
+        return batch, time.perf_counter() - started
+
+    def optimize(self, groups: list[ScoredGroup]) -> StepStats:
+        prompts, responses, logprobs, advantages = [], [], [], []
+        for sg in groups:
+            for sample, adv in zip(sg.group.samples, sg.advantages):
+                prompts.append(sg.group.prompt_tokens)
+                responses.append(sample.response_tokens)
+                logprobs.append(sample.logprobs)
+                advantages.append(float(adv))
+        batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id).to(self.cfg.trainer.device)
+        self.model.train()
+        args = (batch.input_ids, batch.targets, batch.attention_mask, self.cfg.rollout.temperature)
+        old_logp, is_weights = batch.old_logprobs, None
+        if self.cfg.trainer.recompute_old_logprobs:
+            with torch.no_grad():
+                old_logp = token_logprobs(self.model, *args)
+            is_weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask,
+                                              self.cfg.trainer.tis_clip)
+        logp = token_logprobs(self.model, *args)
+        out = ppo_loss(logp, old_logp, batch.advantages, batch.loss_mask, self.loss_cfg,
+                       engine_logp=batch.old_logprobs, is_weights=is_weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.max_grad_norm)
+        self.optimizer.step()
+        ids = [sg.group.group_id for sg in groups]
+        self.state.trained_by_step[self.step] = ids
+        self.trained_ids.update(ids)
+        self.num_trained_tokens += out.num_tokens
+        stats = StepStats.from_groups(groups, self.step, out, float(grad_norm))
+        if is_weights is not None:
+            w = is_weights[batch.loss_mask]
+            stats.is_weight_mean, stats.is_weight_max = float(w.mean()), float(w.max())
+            stats.is_weight_clipped = float((w >= self.cfg.trainer.tis_clip - 1e-6).float().mean())
+        return stats
+
+    def evaluate(self) -> list:
+        """[step, held-out greedy accuracy, seconds since training started]."""
+        accuracy = self.peers.with_engine("evaluation", lambda: self.evaluator(self.peers.engine))
+        log.info("held-out accuracy at step %d: %.1f%%", self.step, 100 * accuracy)
+        return [self.step, accuracy, time.perf_counter() - self.started]
+
+    def final_parity(self) -> float:
+        """max |log p| gap between the engine's prefill scores and this model on one probe sample:
+        the served weights must be exactly the trained ones at the end."""
+        probe = list(range(3, 40))
+        ids = torch.tensor([probe], device=next(self.model.parameters()).device)
+        with torch.no_grad():
+            self.model.eval()
+            mine = token_logprobs(self.model, ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, :-1]))[0].cpu()
+        served = self.peers.with_engine("final check", lambda: self.peers.engine.score(probe[:1], probe[1:]))
+        return float((torch.tensor(served) - mine).abs().max())
+
+    # ------------------------------------------------------------------ bookkeeping
+    def step_record(self, stats: StepStats, wait_s: float) -> StepRecord:
+        """The step's record so far; queue depth and goodput come from the producer's last status.
+
+        Queue depth = groups the producer has sent downstream that are neither trained nor dropped
+        yet (in reward or in the trainer's buffers); it survives restarts of either side."""
+        p = self.peers.producer
+        generated = p.num_generated_tokens if p is not None else 0
+        return StepRecord(step=self.step, version=self.state.version, stats=stats, wait_s=wait_s,
+                          update_split_ms=self.peers.update_split_ms,
+                          queue_depth=p.num_outstanding - p.num_inflight if p is not None else 0,
+                          goodput=self.num_trained_tokens / generated if generated else None,
+                          num_resumed_samples=p.num_resumed_samples if p is not None else 0,
+                          group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
+
+    def count_drop(self, reason: str, group_id: str | None = None) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.metrics.drops.labels(reason).inc()
+        if group_id is not None:
+            self.dropped_ids.append(group_id)
+
+    def take_dropped(self) -> list[str]:
+        ids = sorted(set(self.dropped_ids) - self.trained_ids)
+        self.dropped_ids = []
+        return ids

@@ -1,0 +1,11 @@
+"""How weights move from the trainer into a running engine: one interface, three transports.
+
+Every sender has `push(model, version, *, flush_cache) -> time split` and `close()`:
+
+    tensor_sender.py    shared-memory handles (CPU) or CUDA-IPC buckets (GPU)   engine side: tensor_receiver.py
+    flat_sender.py      one persistent GPU buffer that SGLang maps once          engine side: flat_receiver.py
+    broadcast_sender.py a torch.distributed group, any host                      engine side: local_engine/weight_group.py
+
+`named_tensors.py` (which tensors, how they load) and `broadcast_group.py` are shared by both sides;
+the engine-side modules never import a sender.
+"""

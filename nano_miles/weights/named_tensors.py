@@ -1,0 +1,91 @@
+"""Named weight tensors as both sides of every transport see them: which to send, how to load them.
+
+Library module shared by the trainer-side senders, the engine-side receivers and the trainer's
+checkpoints; it imports no transport, so neither side pulls in the other's code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class WeightUpdateError(ValueError):
+    """A weight payload that cannot be applied; nothing was changed in the model."""
+
+
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names that alias another parameter (e.g. a tied lm_head): never sent or loaded."""
+    seen: dict[int, str] = {}
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name)
+        else:
+            seen[id(p)] = name
+    return aliases
+
+
+def trainable_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors an update sends: each parameter once, tied aliases left out."""
+    return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+def split_into_buckets(named: list[tuple[str, torch.Tensor]], max_bucket_bytes: int):
+    bucket, size = [], 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > max_bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def copy_into_model(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy (name, tensor) pairs into `model`'s parameters; returns how many were loaded.
+
+    Every name, shape and value is checked before the first copy, so a bad update leaves the model
+    untouched. A tied alias (lm_head.weight when embeddings are tied) is skipped, as SGLang does.
+    """
+    params = dict(model.named_parameters())
+    skip = tied_names(model)
+    plan = []
+    for name, t in named:
+        if name in skip:
+            continue
+        if name not in params:
+            raise WeightUpdateError(f"unknown parameter {name!r}")
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise WeightUpdateError(f"{name}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
+        # One reduction instead of an elementwise mask (10x cheaper): NaN or inf anywhere makes
+        # the sum non-finite; finite weights never come near float overflow.
+        if not t.is_floating_point() or not torch.isfinite(t.sum()):
+            raise WeightUpdateError(f"{name}: values must be finite floats")
+        plan.append((params[name], t))
+    with torch.no_grad():
+        for param, t in plan:
+            param.copy_(t)
+    return len(plan)
+
+
+def load_safetensors_dir(model: torch.nn.Module, model_path: str) -> int:
+    """Every *.safetensors file of an HF directory into `model` (a checkpoint, /update_weights_from_disk)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {model_path}")
+    named = []
+    try:
+        for f in files:
+            named += list(load_file(str(f)).items())
+    except (SafetensorError, OSError) as e:
+        raise WeightUpdateError(f"cannot read {model_path}: {e}") from None
+    return copy_into_model(model, named)
+
+
