@@ -1,0 +1,58 @@
+"""The trainer's run record: metrics.jsonl, the end-of-run files, and the TensorBoard and W&B sinks for real.
+
+The sinks run with their real packages (W&B in offline mode: it writes its run under the run directory
+and talks to no server), from the first step to `finish`, which is where a sink that cannot close breaks.
+"""
+
+import json
+
+import pytest
+
+from nano_miles.observe.run_record import RunRecord, StepRecord, StepStats, read_jsonl
+from nano_miles.run.config import load_config
+
+
+def stats(reward: float) -> StepStats:
+    return StepStats(reward=reward, format=1.0, accuracy=reward, pg_loss=-0.01, clip_fraction=0.0, grad_norm=0.5,
+                     parity=1e-7, staleness_min=0, staleness_max=0, staleness_mean=0.0, staleness_hist={"0": 8},
+                     version_oldest=0, num_samples=8, num_tokens=64, update_ms=3.0)
+
+
+def record(step: int, reward: float, **extra) -> StepRecord:
+    return StepRecord(step=step, version=step, stats=stats(reward), wait_s=0.5, update_split_ms={"apply": 2.0},
+                      queue_depth=1, goodput=0.9, num_resumed_samples=0, group_ids=[f"e0-i{step}"], drops={},
+                      step_s=1.0, phase_s={"train": 0.4}, **extra)
+
+
+@pytest.fixture
+def run_cfg(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")   # no server: the run is written under the run directory
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return load_config(overrides=[f"--run.dir={tmp_path}", "--metrics.tensorboard=true",
+                                  "--metrics.wandb_project=nano-miles-test", "--metrics.queue_sample_s=0",
+                                  "--metrics.plots=false"])
+
+
+def test_steps_and_sinks_from_first_step_to_finish(run_cfg, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = RunRecord(run_cfg)
+    assert [type(s).__name__ for s in run.sinks] == ["TensorBoardSink", "WandbSink"]
+    run.write_step(record(1, 0.25))
+    run.write_step(record(2, 0.5, eval_accuracy=0.3))
+    run.write_step(record(2, 0.75))  # step 2 again, after a restart: this one wins
+    wandb_run = run.sinks[1].run
+    assert wandb_run.summary["reward"] == 0.25  # W&B got step 1 (step 2 is flushed at finish)
+    steps = run.steps(last_step=2)
+    assert [(r["step"], r["reward"]) for r in steps] == [(1, 0.25), (2, 0.75)]
+    assert "eval_accuracy" not in steps[1] and read_jsonl(tmp_path / "metrics.jsonl")[1]["eval_accuracy"] == 0.3
+    run.finish(steps, {"num_steps": 2}, {"num_lost": 0})
+
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"num_steps": 2}
+    assert json.loads((tmp_path / "ledger.json").read_text()) == {"num_lost": 0}
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rewards = [(e.step, e.value) for e in events.Scalars("reward")]
+    assert rewards == [(1, 0.25), (2, 0.5), (2, 0.75)]
+    assert [e.value for e in events.Scalars("phase_s/train")] == pytest.approx([0.4] * 3)
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")), "W&B wrote no offline run"
