@@ -38,12 +38,20 @@ def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = No
     raise TimeoutError(f"{url} did not answer within {timeout_s}s")
 
 
-def start_local_engine(model_dir: Path | str, log_path: Path, *extra: str,
-                       timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+def launch(model_dir: Path | str, log_path: Path, overrides: list[str], timeout_s: float, stop, *,
+           is_new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """An engine on a free port through the pipeline's own launcher (`python -m nano_miles.engine`),
+    the way supervisord starts one; it execs the server, so `proc` is the server itself."""
     port = free_port()
-    cmd = [sys.executable, "-m", "nano_miles.local_engine", "--model-path", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0", *extra]
-    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop_process)
+    cmd = [sys.executable, "-m", "nano_miles.engine", f"--model.path={model_dir}", f"--engine.port={port}",
+           *overrides]
+    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop,
+                        is_new_session=is_new_session)
+
+
+def start_local_engine(model_dir: Path | str, log_path: Path, *,
+                       timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    return launch(model_dir, log_path, ["--engine.kind=local"], timeout_s, stop_process)
 
 
 def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, stop, *,
@@ -59,7 +67,7 @@ def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, sto
         wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
     except (RuntimeError, TimeoutError):
         stop(proc)
-        raise RuntimeError(f"{cmd[2]} failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd[2:4])} failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
     return proc, url
 
 
@@ -80,14 +88,11 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0, *, is_group: b
 def start_sglang(model_dir: Path | str, log_path: Path, *, dtype: str = "bfloat16",
                  extra_args: str = SGLANG_EXTRA_ARGS, mem_fraction_static: float = 0.3,
                  timeout_s: float = 420.0) -> tuple[subprocess.Popen, str]:
-    """SGLang through the pipeline's own launcher (`python -m nano_miles.engine`, engine.kind=sglang)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "nano_miles.engine", f"--model.path={model_dir}",
-           "--engine.kind=sglang", f"--engine.dtype={dtype}", f"--engine.port={port}",
-           f"--engine.mem_fraction_static={mem_fraction_static}", f"--engine.extra_args={extra_args}"]
     # own process group (new session): SGLang's scheduler and detokenizer children go down with it
-    return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop_sglang,
-                        is_new_session=True)
+    return launch(model_dir, log_path, ["--engine.kind=sglang", f"--engine.dtype={dtype}",
+                                        f"--engine.mem_fraction_static={mem_fraction_static}",
+                                        f"--engine.extra_args={extra_args}"],
+                  timeout_s, stop_sglang, is_new_session=True)
 
 
 def stop_sglang(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:

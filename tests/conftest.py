@@ -37,9 +37,9 @@ def policy_dir() -> Path:
     return ensure_policy()
 
 
-def start_engine(model_dir: Path, log_path: Path, *extra: str):
+def start_engine(model_dir: Path, log_path: Path):
     """A local engine process on a free port: (Popen, base URL)."""
-    return start_local_engine(model_dir, log_path, *extra)
+    return start_local_engine(model_dir, log_path)
 
 
 @pytest.fixture(scope="module")
