@@ -7,7 +7,7 @@ this process plays the trainer, with the same model on the same GPU. Each round 
 weights through every path, one after the other, so machine noise hits all alike:
 
 * bucket-1: SGLang's stock path, one `FlattenedTensorBucket` of everything (`load_format="flattened_bucket"`)
-* bucket-512MiB: the same in 512 MiB buckets, what `weight_sync.push_weights` sends by default
+* bucket-512MiB: the same in 512 MiB buckets, what `tensor_sender.push_weights` sends by default
 * flat: `nano_miles/weights/flat_sender.py`, a persistent trainer-owned buffer the engine maps once
 * one-tensor: a bucket holding one small tensor, the fixed cost of an update call
 * disk: `save_pretrained` + `/update_weights_from_disk`

@@ -1,5 +1,6 @@
-"""The trainer on several devices: FSDP2 (`fully_shard`) over torchrun ranks; rank 0 talks to the pipeline.
+"""A check of one training step on several devices: FSDP2 (`fully_shard`) over torchrun ranks.
 Check: `torchrun --nproc-per-node 2 -m harness.fsdp_step OUT.pt` (gloo on CPU) vs `python -m harness.fsdp_step OUT.pt`.
+Not part of the pipeline yet (docs/scale-out.md says what wiring it into the trainer stage takes).
 
 Each rank holds a shard of every parameter and trains on its slice of the batch. `ppo_loss` is a
 masked token mean, and FSDP averages gradients over ranks, so each rank's loss is scaled by
@@ -84,6 +85,9 @@ def train_step(model, optimizer, batch, loss_cfg, temperature: float, max_grad_n
 
 def main(argv: list[str]) -> int:
     """One step on a fixed synthetic batch with the project's policy; rank 0 saves the new weights."""
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print(__doc__)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     from transformers import AutoModelForCausalLM
 
     from nano_miles.algo.grpo import assemble_batch

@@ -43,7 +43,7 @@ def _error_message(raw: bytes) -> str:
 def parse_output(meta_info: dict, output_ids: list[int]) -> tuple[list[int], list[float], str, str]:
     """(tokens, behaviour logprobs, finish reason type, weight version) of one /generate response."""
     entries = meta_info.get("output_token_logprobs") or []
-    entries = entries[:len(output_ids)]  # a prefill-only request may carry one spurious entry (§2.6)
+    entries = entries[:len(output_ids)]  # a prefill-only request may carry one spurious entry (docs/sglang-contract.md §2.4)
     tokens = [e[1] for e in entries] if entries else list(output_ids)
     if tokens != list(output_ids):
         raise ValueError("output_token_logprobs token ids disagree with output_ids")
@@ -158,7 +158,7 @@ class EngineClient:
         return self._call("POST", "/generate", body)
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        """log p(response | prompt) per response token, by a prefill-only request (§2.6, T = 1)."""
+        """log p(response | prompt) per response token, by a prefill-only request (docs/sglang-contract.md §2.4, T = 1)."""
         assert prompt_ids and response_ids, "score needs a non-empty prompt and response"
         out = self.generate(prompt_ids + response_ids, {"max_new_tokens": 0, "temperature": 0.0},
                             logprob_start_len=len(prompt_ids) - 1)
@@ -211,7 +211,7 @@ class EngineClient:
             "serialized_named_tensors": serialized, "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version})
 
-    # the weight group of the distributed transport (nano_miles/dist_sync.py)
+    # the weight group of the broadcast transport (nano_miles/weights/broadcast_sender.py)
     def init_weights_update_group(self, body: dict, timeout_s: float | None = None) -> dict:
         return self._post_update("/init_weights_update_group", body, timeout_s)
 

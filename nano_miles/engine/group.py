@@ -3,7 +3,7 @@ Used by the trainer and the rollout producer when `engine.urls` lists more than 
 with `make_engine(cfg.engine)`. Test: `pytest tests/test_engine_group.py`.
 
 `sglang-router` balances /generate only; pause, continue, flush and weight updates must reach each
-engine directly (reference/sglang-contract.md §5.4). Every control call here goes to all engines in
+engine directly (docs/sglang-contract.md §5). Every control call here goes to all engines in
 parallel and counts as done only when all of them answered; if any failed, the first failure is
 raised after the others finished, so no engine is left mid-call behind the caller's back.
 """

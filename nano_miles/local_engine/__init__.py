@@ -5,7 +5,7 @@ Modules: `sampling` (sampling params and token sampling), `kv_batch` (the batche
 `scheduler` (the one thread that owns the model and batches requests), `protocol` (request
 validation and response shapes), `server` (the HTTP layer).
 
-It behaves like SGLang 0.5.16 launched with --skip-tokenizer-init (reference/sglang-contract.md),
+It behaves like SGLang 0.5.16 launched with --skip-tokenizer-init (docs/sglang-contract.md),
 except where SGLang's behaviour would hurt a training loop or needs machinery this engine lacks:
 
 * Bad input is always a 400, never a 500: an unknown `sampling_params` key (SGLang: 500), fields that

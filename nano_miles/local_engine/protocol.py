@@ -1,4 +1,4 @@
-"""Request validation and response shapes of `POST /generate` (reference/sglang-contract.md §2).
+"""Request validation and response shapes of `POST /generate` (docs/sglang-contract.md §2).
 Used by `server.py`; every ValueError raised here becomes an HTTP 400 `{"error": {"message": ...}}`.
 """
 
@@ -84,7 +84,7 @@ def parse_generate(body, vocab_size: int, context_len: int) -> tuple[list[Reques
 
 
 def generate_response(r: Request) -> dict:
-    """One §2.4 response object (meta_info per §2.5, logprob entries per §2.6)."""
+    """One response object of docs/sglang-contract.md §2.2 (logprob entries per §2.3)."""
     meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
             "completion_tokens": len(r.output_ids), "cached_tokens": 0, "reasoning_tokens": 0,
             "weight_version": r.weight_version, "weight_versions": r.version_spans,

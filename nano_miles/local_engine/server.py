@@ -2,7 +2,7 @@
 Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--port 30000]
 
 Handler threads parse and validate; the scheduler thread owns the model. Status codes follow
-reference/sglang-contract.md: 400 `{"error": {"message"}}` for a bad /generate, the OpenAI-style
+docs/sglang-contract.md §1: 400 `{"error": {"message"}}` for a bad /generate, the OpenAI-style
 error envelope for bad control requests, `{"success": false, ...}` 400 for a failed weight update.
 """
 
@@ -11,21 +11,21 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 from urllib.parse import urlsplit
 
 from nano_miles.local_engine import ENGINE_VERSION
 from nano_miles.local_engine.protocol import generate_response, parse_generate
 from nano_miles.local_engine.sampling import SamplingParams
-from nano_miles.observe.metrics import EngineMetrics
-from nano_miles.wire.control import PAUSE_MODES
 from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped
-from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.local_engine.weight_group import WeightGroups
+from nano_miles.observe.metrics import EngineMetrics
+from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.named_tensors import copy_into_model, load_safetensors_dir
 from nano_miles.weights.tensor_receiver import apply_weight_update
+from nano_miles.wire.control import PAUSE_MODES
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 Trainer side, used when `engine.weight_transport = "distributed"`; the group itself is
 `broadcast_group.py`, the local engine's side `nano_miles/local_engine/weight_group.py`. Test: `pytest tests/test_dist_sync.py`.
 
-SGLang's NCCL path (reference/sglang-contract.md §3.6), with gloo on CPU:
+SGLang's NCCL path (docs/sglang-contract.md §3.5), with gloo on CPU:
 
 1. `/init_weights_update_group` blocks inside the rendezvous, so the trainer posts it to every engine
    from threads, joins the group itself as rank 0 (it hosts the TCP store), then waits for the answers.
@@ -92,7 +92,7 @@ class BroadcastSender:
 
     def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
         """Send `model`'s weights tagged `version` to every engine; the caller paused generation.
-        `flush_cache` as in weight_sync.push_weights."""
+        `flush_cache` as in tensor_sender.push_weights."""
         if self.group is None:
             self.init_group()
         named = trainable_named_tensors(model)

@@ -3,7 +3,7 @@
 Run under supervisord as `python -m nano_miles.stages.reward [--section.key=value ...]`. Stateless: a restart
 loses nothing it owned; groups caught in its buffers are re-issued upstream.
 
-The reward function runs in a child worker (`reward_worker.py`) with `reward.timeout_s` per sample: a
+The reward function runs in a child worker (`worker.py`) with `reward.timeout_s` per sample: a
 sample whose function raises, hangs or returns a non-finite value gets reward 0 (parts 0), is counted
 by reason and logged in one line, and the stage goes on with the next sample.
 """
@@ -17,12 +17,12 @@ import numpy as np
 import torch
 import zmq
 
-from nano_miles.wire.sockets import make_socket
-from nano_miles.run.config import Config
 from nano_miles.algo.grpo import group_advantages
 from nano_miles.observe.metrics import RewardMetrics
+from nano_miles.run.config import Config
 from nano_miles.stages.reward.worker import REASONS, RewardFailure, RewardWorker
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
+from nano_miles.wire.sockets import make_socket
 
 log = logging.getLogger("reward")
 

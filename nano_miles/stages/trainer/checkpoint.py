@@ -1,6 +1,6 @@
 """The trainer's durable state: atomic checkpoints (HF weights in safetensors + optimizer + ledger).
 
-Library module used by the trainer; `tests/test_checkpoint.py` covers it.
+Library module used by the trainer; `tests/test_chaos.py` kills the trainer around its saves and resumes from them.
 
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding the model (save_pretrained:
 config.json + model.safetensors) and `trainer_state.pt` (optimizer state, step, weight version, data
