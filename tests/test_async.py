@@ -10,10 +10,10 @@ import zmq
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import start_engine, stop_process
-from nano_miles.run.config import load_config
-from nano_miles.engine.client import EngineClient
-from nano_miles.stages.rollout.producer import RolloutProducer
 from harness.supervised_run import SupervisedRun
+from nano_miles.engine.client import EngineClient
+from nano_miles.run.config import load_config
+from nano_miles.stages.rollout.producer import RolloutProducer
 from nano_miles.tasks.arithmetic import Problem
 from nano_miles.weights.tensor_sender import push_weights
 

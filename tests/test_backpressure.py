@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import zmq
+from test_chaos import CHAOS, stage_pid, surviving_steps
 
-from nano_miles.wire.sockets import ControlClient, make_socket
-from nano_miles.run.config import load_config
+from harness.supervised_run import SupervisedRun
 from nano_miles.observe.metrics import HOP_REWARD
 from nano_miles.observe.scrape import scrape
-from harness.supervised_run import SupervisedRun
+from nano_miles.run.config import load_config
 from nano_miles.wire.codec import MAX_MESSAGE_BYTES
-from test_chaos import CHAOS, stage_pid, surviving_steps
+from nano_miles.wire.sockets import ControlClient, make_socket
 
 # the chaos config with the default 60 s lease: a 20 s stop must not look like lost groups
 SHORT = [o for o in CHAOS if not o.startswith(("--rollout.lease_s", "--trainer.num_steps"))]

@@ -6,8 +6,8 @@ import time
 import pytest
 import zmq
 
-from nano_miles.wire.sockets import ControlClient, ControlError, ControlServer, ControlTimeout, make_socket
 from nano_miles.wire.control import decode_reply, encode_request
+from nano_miles.wire.sockets import ControlClient, ControlError, ControlServer, ControlTimeout, make_socket
 
 
 @pytest.fixture

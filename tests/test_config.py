@@ -4,8 +4,8 @@ import tomllib
 
 import pytest
 
-from nano_miles.run.config import ConfigError, config_from_argv, load_config
 from nano_miles.engine.launch import engine_command
+from nano_miles.run.config import ConfigError, config_from_argv, load_config
 from nano_miles.run.run_end import decide, parse_payload
 
 

@@ -3,10 +3,10 @@ nothing through. Run: `pytest tests/test_curve.py`."""
 
 import zmq
 
+from harness.servers import free_port
+from nano_miles.run.keys import create_keys
 from nano_miles.wire import sockets as channels
 from nano_miles.wire.sockets import make_socket
-from nano_miles.run.keys import create_keys
-from harness.servers import free_port
 
 
 def test_curve_push_pull_and_a_stranger(tmp_path):

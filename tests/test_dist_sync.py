@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import start_engine, stop_process
-from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.engine.client import EngineClient, EngineError
+from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.named_tensors import tied_names
 
 PROMPT = [3, 4, 5, 6]

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import zmq
 
-from nano_miles.run.config import load_config
 from nano_miles.engine.client import EngineClient
-from nano_miles.stages.rollout.producer import RolloutProducer
 from nano_miles.observe.run_record import ledger_report
+from nano_miles.run.config import load_config
+from nano_miles.stages.rollout.producer import RolloutProducer
 
 
 def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):

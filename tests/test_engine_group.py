@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import free_port, start_engine, stop_process
-from nano_miles.weights.broadcast_sender import BroadcastSender
+from harness.servers import wait_for_http
 from nano_miles.engine.client import EngineClient
 from nano_miles.engine.group import EngineGroup
-from harness.servers import wait_for_http
+from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.tensor_sender import push_weights
 
 PROMPT = [3, 4, 5, 6]

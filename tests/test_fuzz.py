@@ -14,12 +14,13 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from nano_miles.wire.sockets import ControlServer, make_socket
-from nano_miles.wire.control import CONTROL_SCHEMA_VERSION, COMMANDS, decode_reply, decode_request, encode_reply, encode_request
-from nano_miles.wire.codec import WireError
-from nano_miles.wire.data import decode_rollout, decode_scored, encode_rollout, encode_scored
 from test_wire import edit_at, golden_messages, paths, raw
+
+from nano_miles.wire.codec import WireError
+from nano_miles.wire.control import (COMMANDS, CONTROL_SCHEMA_VERSION, decode_reply, decode_request, encode_reply,
+                                     encode_request)
+from nano_miles.wire.data import decode_rollout, decode_scored, encode_rollout, encode_scored
+from nano_miles.wire.sockets import ControlServer, make_socket
 
 # the first name of every field a WireError can point at
 FIELDS = ("message", "v", "kind", "cmd", "req_id", "args", "incarnation", "ok", "error", "result",

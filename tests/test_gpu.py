@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import GPU_ONLY, report
-from nano_miles.engine.client import EngineClient, parse_output
 from nano_miles.algo.grpo import assemble_batch, token_logprobs
+from nano_miles.engine.client import EngineClient, parse_output
 
 pytestmark = GPU_ONLY
 

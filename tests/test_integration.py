@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nano_miles.engine.client import EngineClient, parse_output
 from nano_miles.algo.grpo import assemble_batch, group_advantages, token_logprobs
 from nano_miles.algo.loss import LossConfig, ppo_loss
+from nano_miles.engine.client import EngineClient, parse_output
 from nano_miles.tasks import encode_prompts, make_decoder
 from nano_miles.tasks.arithmetic import make_problems, reward
 from nano_miles.weights.tensor_sender import push_weights

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nano_miles.run.config import load_config
 from harness.servers import free_port
+from harness.supervised_run import SupervisedRun
 from nano_miles.observe.metrics import HOP_ENGINE, HOP_REWARD, HOP_TRAINER, RewardMetrics, RolloutMetrics
 from nano_miles.observe.scrape import scrape_all, stage_urls
-from nano_miles.stages.rollout.producer import ProducerState
-from harness.supervised_run import SupervisedRun
 from nano_miles.observe.top import View
+from nano_miles.run.config import load_config
+from nano_miles.stages.rollout.producer import ProducerState
 from nano_miles.wire.data import RolloutGroup, Sample
 
 # Tiny steps that never end by themselves: the tests stop stages to take idle readings.

@@ -7,16 +7,8 @@ import re
 import pytest
 
 from nano_miles.tasks import load_reward_fn
-from nano_miles.tasks.arithmetic import (
-    Expression,
-    Problem,
-    extract_answer,
-    make_expressions,
-    make_problems,
-    render_prompt,
-    reward,
-    split_of,
-)
+from nano_miles.tasks.arithmetic import (Expression, Problem, extract_answer, make_expressions, make_problems,
+                                         render_prompt, reward, split_of)
 
 EXPRESSION_RE = re.compile(r"What is (.+)\? Put the answer in <answer></answer>\.\n")
 

@@ -15,12 +15,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_miles.wire.control import (CONTROL_SCHEMA_VERSION, ControlReply, ControlRequest, ProducerStatus, decode_reply,
-                                     decode_request, encode_reply, encode_request)
-from nano_miles.wire.codec import (MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE,
-                                   WireError, make_group_id, parse_group_id)
-from nano_miles.wire.data import (RolloutGroup, Sample, ScoredGroup, decode_rollout, decode_scored,
-                                  encode_rollout, encode_scored)
+from nano_miles.wire.codec import (MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE, WireError,
+                                   make_group_id, parse_group_id)
+from nano_miles.wire.control import (CONTROL_SCHEMA_VERSION, ControlReply, ControlRequest, ProducerStatus,
+                                     decode_reply, decode_request, encode_reply, encode_request)
+from nano_miles.wire.data import (RolloutGroup, Sample, ScoredGroup, decode_rollout, decode_scored, encode_rollout,
+                                  encode_scored)
 
 GOLDEN = Path(__file__).parent / "golden"
 

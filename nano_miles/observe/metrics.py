@@ -17,8 +17,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, Summary
-from prometheus_client import start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, Summary,
+                               start_http_server)
 
 log = logging.getLogger(__name__)
 

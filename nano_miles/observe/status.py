@@ -14,13 +14,13 @@ import sys
 
 import zmq
 
-from nano_miles.wire.codec import WireError
-from nano_miles.wire.control import ProducerStatus
-from nano_miles.wire.sockets import ControlClient, ControlError, ControlTimeout
-from nano_miles.run.config import Config, config_or_exit
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.observe.metrics import HOP_REWARD, HOP_TRAINER
 from nano_miles.observe.scrape import scrape, stage_urls
+from nano_miles.run.config import Config, config_or_exit
+from nano_miles.wire.codec import WireError
+from nano_miles.wire.control import ProducerStatus
+from nano_miles.wire.sockets import ControlClient, ControlError, ControlTimeout
 
 TIMEOUT_S = 2.0
 

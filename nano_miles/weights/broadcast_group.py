@@ -11,7 +11,6 @@ import datetime
 import torch
 import torch.distributed as dist
 
-
 # dtype names an update may carry (SGLang sends e.g. "bfloat16"); nothing else is allocated
 FLOAT_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 

@@ -24,10 +24,10 @@ import pickle
 import re
 import time
 from collections.abc import Iterable
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as torch_mp
-from multiprocessing.reduction import ForkingPickler
 
 from nano_miles.weights.named_tensors import split_into_buckets, trainable_named_tensors
 

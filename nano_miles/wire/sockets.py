@@ -18,8 +18,8 @@ from urllib.parse import urlparse
 
 import zmq
 
-from nano_miles.wire.control import decode_reply, decode_request, encode_reply, encode_request
 from nano_miles.wire.codec import WireError
+from nano_miles.wire.control import decode_reply, decode_request, encode_reply, encode_request
 
 log = logging.getLogger(__name__)
 

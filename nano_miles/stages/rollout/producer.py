@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from nano_miles.wire.sockets import ControlServer, make_socket
-from nano_miles.run.config import Config
 from nano_miles.engine.client import EngineError, parse_output, token_versions
 from nano_miles.engine.group import make_engine
-from nano_miles.stages.rollout.ledger import Ledger
 from nano_miles.observe.metrics import RolloutMetrics
+from nano_miles.run.config import Config
+from nano_miles.stages.rollout.ledger import Ledger
 from nano_miles.wire.control import ProducerStatus
 from nano_miles.wire.data import RolloutGroup, Sample, encode_rollout
+from nano_miles.wire.sockets import ControlServer, make_socket
 
 log = logging.getLogger("rollout")
 

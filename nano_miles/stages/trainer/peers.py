@@ -19,10 +19,10 @@ import zmq
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.engine.group import make_engine
 from nano_miles.run.config import Config
-from nano_miles.wire.control import ProducerStatus, keeps_requests
 from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.tensor_sender import TensorSender
+from nano_miles.wire.control import ProducerStatus, keeps_requests
 from nano_miles.wire.sockets import ControlClient, ControlTimeout
 
 log = logging.getLogger("trainer")

@@ -26,7 +26,8 @@ from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
                                            step_phases, summarize)
 from nano_miles.run.config import Config
-from nano_miles.stages.trainer.checkpoint import TrainerState, complete_checkpoints, load_checkpoint, save_checkpoint
+from nano_miles.stages.trainer.checkpoint import (TrainerState, complete_checkpoints, load_checkpoint,
+                                                  save_checkpoint)
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.wire.codec import WireError, position_of
 from nano_miles.wire.data import ScoredGroup, decode_scored
@@ -51,7 +52,7 @@ class Trainer:
         self.num_items = cfg.task.num_train  # group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
         self.peers = Peers(cfg, ctx, self.durable_state,
-                          on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
+                           on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.drops: dict[str, int] = {}
         self.num_received = 0              # groups pulled, trained or not
@@ -82,7 +83,7 @@ class Trainer:
             groups, wait_s = self.pull_batch()
             stats = self.optimize(groups)
             self.peers.request("commit", step=self.step, group_ids=self.state.trained_by_step[self.step],
-                              dropped_group_ids=self.take_dropped())
+                               dropped_group_ids=self.take_dropped())
             # after the last step the producer is not resumed: nothing more will be trained
             stats.update_ms = 1000 * self.peers.update_weights(
                 self.model, self.step, tell_producer=self.step < self.cfg.trainer.num_steps)
@@ -117,7 +118,7 @@ class Trainer:
         self.trained_ids = self.state.trained_ids
 
     def connect(self) -> None:
-        """Handshake: engine healthy and serving our weights, producer synced and resumed."""
+        """Handshake: engine healthy and serving our weights, producer restored and resumed."""
         self.peers.engine.wait_until_healthy(600)
         self.peers.update_weights(self.model, self.state.version, tell_producer=False)
         self.peers.request("status")
@@ -169,7 +170,7 @@ class Trainer:
                 continue
             if self.dropped_ids:  # report refusals now: in sync mode their replacements are awaited
                 self.peers.request("commit", step=max(0, self.step - 1), group_ids=[],
-                                  dropped_group_ids=self.take_dropped())
+                                   dropped_group_ids=self.take_dropped())
             data = self.pull.recv()
             self.num_received += 1
             try:
@@ -255,13 +256,12 @@ class Trainer:
 
         Queue depth = groups the producer has sent downstream that are neither trained nor dropped
         yet (in reward or in the trainer's buffers); it survives restarts of either side."""
-        p = self.peers.producer
-        generated = p.num_generated_tokens if p is not None else 0
+        p = self.peers.producer  # set since `connect`: every control reply carries it
         return StepRecord(step=self.step, version=self.state.version, stats=stats, wait_s=wait_s,
                           update_split_ms=self.peers.update_split_ms,
-                          queue_depth=p.num_outstanding - p.num_inflight if p is not None else 0,
-                          goodput=self.num_trained_tokens / generated if generated else None,
-                          num_resumed_samples=p.num_resumed_samples if p is not None else 0,
+                          queue_depth=p.num_outstanding - p.num_inflight,
+                          goodput=self.num_trained_tokens / p.num_generated_tokens if p.num_generated_tokens else None,
+                          num_resumed_samples=p.num_resumed_samples,
                           group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
 
     def count_drop(self, reason: str, group_id: str | None = None) -> None:
