@@ -34,7 +34,7 @@ SHAPES = {
 def make_model_dir(shape: str, root: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from nano_miles.policy import ensure_policy
+    from harness.policy import ensure_policy
     if shape == "policy":
         return ensure_policy()
     import torch
@@ -73,7 +73,7 @@ def measure(shape: str, repeats: int, root: Path) -> dict:
             t0 = time.perf_counter()
             ckpt = root / f"ckpt-{shape}"
             model.save_pretrained(ckpt)
-            engine.update_weights_from_disk(str(ckpt), weight_version=str(2 * i + 2))
+            engine.update_weights_from_disk(str(ckpt), weight_version=2 * i + 2)
             disk_s.append(time.perf_counter() - t0)
         # the last disk load must equal what the trainer holds
         probe = [1, 2, 3, 4]

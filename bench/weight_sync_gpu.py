@@ -92,7 +92,7 @@ def measure(repeats: int, root: Path, log_dir: Path) -> dict:
         else:
             model.save_pretrained(ckpt)
             t1 = time.perf_counter()
-            client.update_weights_from_disk(str(ckpt), weight_version=str(version))
+            client.update_weights_from_disk(str(ckpt), weight_version=version)
             split = {"gather_s": 0.0, "serialize_s": t1 - t0, "apply_s": time.perf_counter() - t1}
         split["total_s"] = time.perf_counter() - t0
         return split

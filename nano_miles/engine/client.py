@@ -75,10 +75,15 @@ def token_versions(meta_info: dict, num_tokens: int) -> list[int]:
 
 
 def parse_version(value) -> int | None:
+    """An engine's `weight_version` text as the pipeline's int; None for anything else (e.g. "default")."""
     try:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def _version_text(version) -> str | None:
+    return None if version is None else str(version)
 
 
 class EngineClient:
@@ -201,21 +206,24 @@ class EngineClient:
                                                   if isinstance(result, dict) else repr(result)))
         return result
 
-    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
+    # Weight versions are ints in the pipeline and strings in the HTTP API: converted here, both ways.
+    def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> dict:
         return self._post_update("/update_weights_from_disk",
-                                 {"model_path": model_path, "weight_version": weight_version})
+                                 {"model_path": model_path, "weight_version": _version_text(weight_version)})
 
     def update_weights_from_tensor(self, serialized: list[str], *, load_format: str | None = None,
-                                   weight_version: str | None = None, flush_cache: bool = True) -> dict:
+                                   weight_version: int | None = None, flush_cache: bool = True) -> dict:
         return self._post_update("/update_weights_from_tensor", {
             "serialized_named_tensors": serialized, "load_format": load_format,
-            "flush_cache": flush_cache, "weight_version": weight_version})
+            "flush_cache": flush_cache, "weight_version": _version_text(weight_version)})
 
     # the weight group of the broadcast transport (nano_miles/weights/broadcast_sender.py)
     def init_weights_update_group(self, body: dict, timeout_s: float | None = None) -> dict:
         return self._post_update("/init_weights_update_group", body, timeout_s)
 
     def update_weights_from_distributed(self, body: dict, timeout_s: float | None = None) -> dict:
+        """`body["weight_version"]` may be an int (or None, for a bucket that is not the last)."""
+        body = {**body, "weight_version": _version_text(body.get("weight_version"))}
         return self._post_update("/update_weights_from_distributed", body, timeout_s)
 
     def destroy_weights_update_group(self, group_name: str, timeout_s: float | None = None) -> dict:

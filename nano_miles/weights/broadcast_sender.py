@@ -1,6 +1,6 @@
 """Weight updates by collective broadcast: the trainer is rank 0 of a group that every engine joins.
 Trainer side, used when `engine.weight_transport = "distributed"`; the group itself is
-`broadcast_group.py`, the local engine's side `nano_miles/local_engine/weight_group.py`. Test: `pytest tests/test_dist_sync.py`.
+`broadcast_group.py`, the local engine's side `nano_miles/local_engine/weight_group.py`. Test: `pytest tests/test_broadcast_transport.py`.
 
 SGLang's NCCL path (docs/sglang-contract.md §3.5), with gloo on CPU:
 
@@ -107,7 +107,7 @@ class BroadcastSender:
                         "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                         "shapes": [list(t.shape) for _, t in bucket],
                         "group_name": self.group_name, "flush_cache": flush_cache and is_last,
-                        "weight_version": str(version) if is_last else None, "load_format": None}
+                        "weight_version": version if is_last else None, "load_format": None}
                 futures = [self._pool.submit(e.update_weights_from_distributed, body, self.timeout_s)
                            for e in self.engines]
                 broadcast_from_rank0(self.group, [t.contiguous() for _, t in bucket])

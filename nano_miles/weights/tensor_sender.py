@@ -56,7 +56,7 @@ def push_weights(client, model: torch.nn.Module, version: int, *,
     serialized = serialize_named_tensors(named)
     t1 = time.perf_counter()
     # `named` (and with it the shared segments) stays referenced until the engine has answered.
-    client.update_weights_from_tensor([serialized], weight_version=str(version), flush_cache=flush_cache)
+    client.update_weights_from_tensor([serialized], weight_version=version, flush_cache=flush_cache)
     t2 = time.perf_counter()
     return {"gather_s": 0.0, "serialize_s": t1 - t0, "apply_s": t2 - t1, "total_s": t2 - t0}
 
@@ -115,7 +115,7 @@ def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int,
         is_last = i == len(buckets) - 1
         client.update_weights_from_tensor(
             [serialized], load_format="flattened_bucket", flush_cache=flush_cache and is_last,
-            weight_version=str(version) if is_last else None)
+            weight_version=version if is_last else None)
         t3 = time.perf_counter()
         del payload, flat
         times["gather_s"] += t1 - t0

@@ -2,9 +2,9 @@
 
 Library module used by the rollout producer; `tests/test_ledger.py` pins its rules.
 
-A group is named by its dataset position (`group_id_at(position, num_items)` in nano_miles/wire/data.py), so every re-issue of a
-prompt carries the same id and the trainer can drop duplicates by id. States, as the producer sees
-them:
+A group is named by its dataset position (`group_id_at(position, num_items)`, nano_miles/wire/codec.py),
+so every re-issue of a prompt carries the same id and the trainer can drop duplicates by id. States,
+as the producer sees them:
 
     fresh (not yet issued) --issue--> outstanding --trainer's commit--> trained
                  re-issue queue <--lease expired / dropped by the trainer / rolled back--'
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from nano_miles.wire.codec import group_id_at, position_of
+from nano_miles.wire.codec import group_id_at, parse_group_id
 
 
 class Ledger:
@@ -50,7 +50,7 @@ class Ledger:
         attempt = self.attempts.get(group_id, -1) + 1
         self.attempts[group_id] = attempt
         self.outstanding[group_id] = now_s
-        return group_id, position_of(group_id, self.num_items) % self.num_items, attempt
+        return group_id, parse_group_id(group_id)[1], attempt
 
     @property
     def num_pending_reissue(self) -> int:
