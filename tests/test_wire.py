@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from nano_miles.wire.codec import (MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE, WireError,
                                    make_group_id, parse_group_id)
 from nano_miles.wire.control import (CONTROL_SCHEMA_VERSION, ControlReply, ControlRequest, ProducerStatus,
-                                     decode_reply, decode_request, encode_reply, encode_request)
+                                     RestoreState, decode_reply, decode_request, encode_reply, encode_request)
 from nano_miles.wire.data import (RolloutGroup, Sample, ScoredGroup, decode_rollout, decode_scored, encode_rollout,
                                   encode_scored)
 
@@ -99,7 +99,7 @@ def test_group_properties_and_ids():
 
 
 def test_control_round_trip():
-    state = {"step": 3, "version": 3, "committed_group_ids": ["e0-i5"], "cursor": 20001}
+    state = RestoreState(step=3, version=3, committed_group_ids=["e0-i5"], cursor=20001)
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
              ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"]}), ("restore", {"state": state}), ("status", {})]
     for cmd, args in cases:

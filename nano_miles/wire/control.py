@@ -18,9 +18,9 @@ unknown argument keys like unknown keys anywhere else):
                              step >= 0; group_ids: the groups trained at that step (now in the
                              trainer's model); dropped_group_ids: groups the trainer refused since its
                              last commit (stale, from weights it no longer has): issue them again
-    restore(state)           state = {step, version, committed_group_ids, cursor}: the trainer's durable
-                             state after a restart on either side; cursor = one past the furthest
-                             dataset position (group id) the trainer has seen
+    restore(state)           state: a RestoreState {step, version, committed_group_ids, cursor}, the
+                             trainer's durable state after a restart on either side; cursor = one
+                             past the furthest dataset position (group id) the trainer has seen
     status()
 
 Every command is answered with the producer's `ProducerStatus` (its fields are checked on both ends).
@@ -138,17 +138,28 @@ def _group_ids(value: object, where: str) -> list[str]:
     return list(value)
 
 
-def _restore_state(value: object, where: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RestoreState:
+    """The trainer's durable state, which `restore` hands to a (re)started producer."""
+
+    step: int                         # optimizer steps in the trainer's model
+    version: int                      # weight version the engine serves (= step)
+    committed_group_ids: list[str]    # every group in the trainer's model
+    cursor: int                       # one past the furthest dataset position the trainer has seen
+
+
+def _restore_state(value: object, where: str) -> RestoreState:
+    if isinstance(value, RestoreState):
+        value = asdict(value)
     if not isinstance(value, dict):
         raise WireError(f"{where}: expected a map, got {type(value).__name__}")
     prefix = where + "."
-    return {
-        "step": check_count(get(value, "step", int, prefix), prefix + "step"),
-        "version": check_count(get(value, "version", int, prefix), prefix + "version"),
-        "committed_group_ids": _group_ids(get(value, "committed_group_ids", list, prefix),
-                                          prefix + "committed_group_ids"),
-        "cursor": check_count(get(value, "cursor", int, prefix), prefix + "cursor"),
-    }
+    return RestoreState(
+        step=check_count(get(value, "step", int, prefix), prefix + "step"),
+        version=check_count(get(value, "version", int, prefix), prefix + "version"),
+        committed_group_ids=_group_ids(get(value, "committed_group_ids", list, prefix),
+                                       prefix + "committed_group_ids"),
+        cursor=check_count(get(value, "cursor", int, prefix), prefix + "cursor"))
 
 
 # Each command's arguments and the check that returns the argument's normalized value.
@@ -202,7 +213,7 @@ def encode_request(cmd: str, req_id: str, **args: Any) -> bytes:
     if extra:
         raise WireError(f"args.{extra[0]}: not an argument of {cmd}")
     m = {"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": _text_id(req_id, "req_id"),
-         "args": checked}
+         "args": {k: asdict(v) if isinstance(v, RestoreState) else v for k, v in checked.items()}}
     return msgpack.packb(m)
 
 

@@ -1,6 +1,8 @@
 """The rollout producer: turns dataset prompts into `RolloutGroup`s with the engine, under a version gate.
 
 Run under supervisord as `python -m nano_miles.stages.rollout [--section.key=value ...]`.
+A sample's path starts here: `ledger.py` picks the group, `nano_miles/engine/client.py` generates its
+samples, `nano_miles/wire/data.py` encodes it; it goes on in `nano_miles/stages/reward/scorer.py`.
 
 It owns the dataset cursor (in its `Ledger`) and the in-flight requests; it serves the REP end of the
 control channel and PUSHes finished groups to the reward stage. Nothing is generated before the
@@ -30,7 +32,7 @@ from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import RolloutMetrics
 from nano_miles.run.config import Config
 from nano_miles.stages.rollout.ledger import Ledger
-from nano_miles.wire.control import ProducerStatus
+from nano_miles.wire.control import ProducerStatus, RestoreState
 from nano_miles.wire.data import RolloutGroup, Sample, encode_rollout
 from nano_miles.wire.sockets import ControlServer, make_socket
 
@@ -97,11 +99,11 @@ class RolloutProducer:
         self.state.is_paused = False
         return self.on_status()
 
-    def on_restore(self, state: dict) -> dict:
-        self.ledger.restore(state["committed_group_ids"], state["cursor"])
-        self.state.version = state["version"]
+    def on_restore(self, state: RestoreState) -> dict:
+        self.ledger.restore(state.committed_group_ids, state.cursor)
+        self.state.version = state.version
         log.info("restored from the trainer: step %d, version %d, %d groups trained, %d to issue again",
-                 state["step"], state["version"], len(self.ledger.trained), self.ledger.num_pending_reissue)
+                 state.step, state.version, len(self.ledger.trained), self.ledger.num_pending_reissue)
         return self.on_status()
 
     def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str]) -> dict:

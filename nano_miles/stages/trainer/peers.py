@@ -22,7 +22,7 @@ from nano_miles.run.config import Config
 from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.tensor_sender import TensorSender
-from nano_miles.wire.control import ProducerStatus, keeps_requests
+from nano_miles.wire.control import ProducerStatus, RestoreState, keeps_requests
 from nano_miles.wire.sockets import ControlClient, ControlTimeout
 
 log = logging.getLogger("trainer")
@@ -42,7 +42,7 @@ def make_sender(cfg: Config, engine):
 
 
 class Peers:
-    def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], dict], *,
+    def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], RestoreState], *,
                  on_producer_restart: Callable[[], None] = lambda: None):
         t = cfg.trainer
         self.cfg = cfg
@@ -83,8 +83,7 @@ class Peers:
         """Give a (re)started producer the trainer's truth and let it generate again."""
         self.num_producer_restores += 1
         state = self.durable_state()
-        log.info("restoring the producer: step %d, %d groups trained", state["step"],
-                 len(state["committed_group_ids"]))
+        log.info("restoring the producer: step %d, %d groups trained", state.step, len(state.committed_group_ids))
         self.request("restore", state=state)
         return self.request("resume", version=self.version)
 

@@ -30,6 +30,7 @@ from nano_miles.stages.trainer.checkpoint import (TrainerState, complete_checkpo
                                                   save_checkpoint)
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.wire.codec import WireError, position_of
+from nano_miles.wire.control import RestoreState
 from nano_miles.wire.data import ScoredGroup, decode_scored
 from nano_miles.wire.sockets import make_socket
 
@@ -126,10 +127,10 @@ class Trainer:
         log.info("pipeline connected: engine %s, producer %s, step %d, version %d", self.cfg.engine.url,
                  self.cfg.rollout.control_endpoint, self.step, self.state.version)
 
-    def durable_state(self) -> dict:
+    def durable_state(self) -> RestoreState:
         """What `restore` gives a (re)started producer: the checkpointed truth of this trainer."""
-        return {"step": self.step, "version": self.state.version,
-                "committed_group_ids": sorted(self.trained_ids), "cursor": self.state.cursor}
+        return RestoreState(step=self.step, version=self.state.version,
+                            committed_group_ids=sorted(self.trained_ids), cursor=self.state.cursor)
 
     def finish(self, engine_busy_start: float | None) -> dict:
         status = self.peers.request("status")
