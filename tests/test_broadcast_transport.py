@@ -61,7 +61,7 @@ def test_broadcast_update_matches_trainer_and_sets_version(engine, policy_dir):
         client._call("POST", "/destroy_weights_update_group", {"group_name": "weight_update_group"})
 
 
-def test_trainer_link_selects_broadcast_transport_by_config(engine, policy_dir):
+def test_peers_select_broadcast_transport_by_config(engine, policy_dir):
     """The trainer's own update path (pause -> push -> resume) with engine.weight_transport set."""
     import zmq
     from transformers import AutoModelForCausalLM

@@ -79,3 +79,10 @@ def test_plan_refuses_a_layout_that_does_not_fit(models):
     bad = [[n, o, [s[0] + 1, *s[1:]] if "o_proj" in n else s, d] for n, o, s, d in layout]
     with pytest.raises(ValueError, match="does not fit"):
         build_plan(fused, bad, flat)
+
+
+def test_launcher_starts_sglang_with_the_loader_the_sender_names():
+    from nano_miles.engine.launch import FLAT_LOADER
+    from nano_miles.weights.flat_sender import LOADER
+
+    assert FLAT_LOADER == LOADER  # the launcher spells it as a string so that it imports no torch

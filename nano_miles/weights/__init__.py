@@ -6,6 +6,11 @@ Every sender has `push(model, version, *, flush_cache) -> time split` and `close
     flat_sender.py      one persistent GPU buffer that SGLang maps once          engine side: flat_receiver.py
     broadcast_sender.py a torch.distributed group, any host                      engine side: local_engine/weight_group.py
 
+The trainer picks its sender in one place (`make_sender` in nano_miles/stages/trainer/peers.py) from
+`engine.weight_transport`: "tensor" or "distributed". The flat sender is not selected there yet: it is
+exercised by the GPU tests and measured by bench/weight_sync_gpu.py, and SGLang is already started
+with its loader, so choosing it on a GPU is one branch in `make_sender`.
+
 `named_tensors.py` (which tensors, how they load) and `broadcast_group.py` are shared by both sides;
 the engine-side modules never import a sender.
 """

@@ -11,10 +11,13 @@ import time
 
 import torch
 
-from nano_miles.engine.launch import FLAT_LOADER as LOADER
+from nano_miles.weights import flat_receiver
 from nano_miles.weights.flat_receiver import ALIGN_BYTES, flat_view
 from nano_miles.weights.named_tensors import trainable_named_tensors
 from nano_miles.weights.tensor_sender import uses_update_sessions
+
+# what SGLang must have been started with as --custom-weight-loader (nano_miles/engine/launch.py does)
+LOADER = f"{flat_receiver.__name__}.{flat_receiver.load_flat.__name__}"
 
 
 class FlatSender:
@@ -59,7 +62,7 @@ class FlatSender:
         if is_session:
             self.engine.begin_weight_update()
         self.engine.update_weights_from_tensor([serialized], load_format=LOADER, flush_cache=flush_cache,
-                                               weight_version=str(version))
+                                               weight_version=version)
         if is_session:
             self.engine.end_weight_update()
         t3 = time.perf_counter()

@@ -1,6 +1,6 @@
 """ZeroMQ plumbing: the one socket factory, the Lazy Pirate control client and the control server.
 
-Library module; `tests/test_channels.py` exercises it over real sockets.
+Library module; `tests/test_sockets.py` exercises it over real sockets.
 
 Stable stages bind (reward's and trainer's PULL, the producer's REP); the others connect, so any
 stage can restart without the others reconfiguring. HWM only caps memory: flow control and staleness
