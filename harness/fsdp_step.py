@@ -90,9 +90,9 @@ def main(argv: list[str]) -> int:
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     from transformers import AutoModelForCausalLM
 
+    from harness.policy import ensure_policy
     from nano_miles.algo.grpo import assemble_batch
     from nano_miles.algo.loss import LossConfig
-    from nano_miles.policy import ensure_policy
 
     torch.set_num_threads(1)
     rank, world = init_ranks()

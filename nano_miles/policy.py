@@ -17,17 +17,12 @@ No BOS and no chat template. The response is `worked step <answer>N</answer>` th
 import argparse
 import copy
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
-from nano_miles.run.config import DEFAULT_POLICY_DIR as ASSET_DIR
 from nano_miles.tasks.arithmetic import (CLOSE_TAG, OPEN_TAG, Problem, extract_answer, make_expressions,
                                          make_problems, num_problems, render_prompt)
-
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"  # UNK is never produced: every byte has a token
 ANSWER_TAGS = (OPEN_TAG, CLOSE_TAG)  # one token each; the reward looks for these exact tags
@@ -219,26 +214,6 @@ def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device:
 
     warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device, on_step=on_step)
     return rows
-
-
-def is_complete(model_dir: Path) -> bool:
-    return all((model_dir / name).is_file() for name in REQUIRED_FILES)
-
-
-def ensure_policy() -> Path:
-    """The committed policy if present, else one built once into the cache directory."""
-    if is_complete(ASSET_DIR):
-        return ASSET_DIR
-    cache_dir = Path(os.environ.get("NANO_MILES_CACHE", Path.home() / ".cache" / "nano-miles")) / "policy"
-    if not is_complete(cache_dir):
-        # Build next to the target and rename, so an interrupted build never looks complete.
-        tmp_dir = cache_dir.with_name(f"policy.tmp{os.getpid()}")
-        build_policy(tmp_dir)
-        if is_complete(cache_dir):  # a concurrent build finished first; keep its copy
-            shutil.rmtree(tmp_dir)
-        else:
-            tmp_dir.replace(cache_dir)
-    return cache_dir
 
 
 def generate(model, tokenizer, prompts: list[list[int]], *, num_samples: int, temperature: float,

@@ -32,7 +32,7 @@ def report(key: str, value) -> None:
 @pytest.fixture(scope="session")
 def policy_dir() -> Path:
     """The project's small policy (HF directory), built once and cached if missing."""
-    from nano_miles.policy import ensure_policy
+    from harness.policy import ensure_policy
 
     return ensure_policy()
 

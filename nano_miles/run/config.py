@@ -101,11 +101,6 @@ class EngineConfig:
         """Every engine that takes control calls and weight updates."""
         return list(self.urls) or [self.url]
 
-    @property
-    def generate_url(self) -> str:
-        """Where /generate goes: the router if there is one, else the single engine."""
-        return self.router_url or self.engine_urls[0]
-
 
 @dataclass
 class TaskConfig:

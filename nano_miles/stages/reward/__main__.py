@@ -17,7 +17,11 @@ def main(argv: list[str]) -> int:
 
     setup_process("reward", cfg, num_threads=1)
     reward_fn = load_reward_fn(cfg.reward.fn)
-    RewardStage(cfg, zmq.Context.instance(), reward_fn, make_decoder(load_tokenizer(cfg.model_dir))).run()
+    stage = RewardStage(cfg, zmq.Context.instance(), reward_fn, make_decoder(load_tokenizer(cfg.model_dir)))
+    try:
+        stage.run()
+    finally:  # SIGTERM from supervisord exits through here: the worker child goes with us
+        stage.close()
     return 0
 
 
