@@ -1,7 +1,10 @@
 """The reward stage: scores every sample of a group, computes group advantages, forwards the group.
 
-Run under supervisord as `python -m nano_miles.stages.reward [--section.key=value ...]`. Stateless: a restart
-loses nothing it owned; groups caught in its buffers are re-issued upstream.
+Run under supervisord as `python -m nano_miles.stages.reward [--section.key=value ...]`.
+A group comes from `nano_miles/stages/rollout/producer.py`: `nano_miles/wire/data.py` decodes it,
+`worker.py` scores each sample, `nano_miles/algo/grpo.py` whitens the rewards into advantages; it goes
+on in `nano_miles/stages/trainer/step_loop.py`. Stateless: a restart loses nothing it owned; groups
+caught in its buffers are re-issued upstream.
 
 The reward function runs in a child worker (`worker.py`) with `reward.timeout_s` per sample: a
 sample whose function raises, hangs or returns a non-finite value gets reward 0 (parts 0), is counted
