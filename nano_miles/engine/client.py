@@ -43,7 +43,8 @@ def _error_message(raw: bytes) -> str:
 def parse_output(meta_info: dict, output_ids: list[int]) -> tuple[list[int], list[float], str, str]:
     """(tokens, behaviour logprobs, finish reason type, weight version) of one /generate response."""
     entries = meta_info.get("output_token_logprobs") or []
-    entries = entries[:len(output_ids)]  # a prefill-only request may carry one spurious entry (docs/sglang-contract.md §2.4)
+    # a prefill-only request may carry one spurious entry (docs/sglang-contract.md §2.4)
+    entries = entries[:len(output_ids)]
     tokens = [e[1] for e in entries] if entries else list(output_ids)
     if tokens != list(output_ids):
         raise ValueError("output_token_logprobs token ids disagree with output_ids")
@@ -163,7 +164,8 @@ class EngineClient:
         return self._call("POST", "/generate", body)
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
-        """log p(response | prompt) per response token, by a prefill-only request (docs/sglang-contract.md §2.4, T = 1)."""
+        """log p(response | prompt) per response token, by a prefill-only request at T = 1
+        (docs/sglang-contract.md §2.4)."""
         assert prompt_ids and response_ids, "score needs a non-empty prompt and response"
         out = self.generate(prompt_ids + response_ids, {"max_new_tokens": 0, "temperature": 0.0},
                             logprob_start_len=len(prompt_ids) - 1)

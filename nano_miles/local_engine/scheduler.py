@@ -40,7 +40,7 @@ class Request:
     received_s: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    input_logprobs: list | None = None  # input logprob entries (docs/sglang-contract.md §2.3), filled by the first prefill
+    input_logprobs: list | None = None  # entries of docs/sglang-contract.md §2.3, from the first prefill
     finish_reason: dict | None = None
     weight_version: str = ""  # version at emission time, as SGLang reports it
     # [{"version", "start", "end"}] over output-token indices, as SGLang 0.5.23 reports them: a
@@ -275,7 +275,8 @@ class Scheduler:
 
     @staticmethod
     def _input_logprobs(r: Request, logits: torch.Tensor) -> list:
-        """Input logprob alignment (docs/sglang-contract.md §2.3): entry 0 is [None, ids[L], None]; entry k is [log p(ids[L+k] | ids[<L+k]), ids[L+k], None]."""
+        """Input logprob alignment (docs/sglang-contract.md §2.3): entry 0 is [None, ids[L], None];
+        entry k is [log p(ids[L+k] | ids[<L+k]), ids[L+k], None]."""
         start, ids = r.logprob_start_len, r.input_ids
         if start >= len(ids):
             return []

@@ -1,6 +1,7 @@
 """The local engine's side of distributed weight updates: join the trainer's group, receive broadcasts.
 Used by `server.py` for /init_weights_update_group, /update_weights_from_distributed and
-/destroy_weights_update_group (docs/sglang-contract.md §3.5); the trainer side is `nano_miles/weights/broadcast_sender.py`.
+/destroy_weights_update_group (docs/sglang-contract.md §3.5); the trainer side is
+`nano_miles/weights/broadcast_sender.py`.
 
 Receiving runs on the HTTP handler thread into freshly allocated tensors, so generation is never
 blocked by a slow broadcast; only the copy into the model runs on the scheduler thread, between two

@@ -41,11 +41,7 @@ def write_plots(run_dir: Path, steps: list[dict], queues: list[dict]) -> list[Pa
         if evals:
             ax.plot(*zip(*evals), marker="o", ls="--", label="held-out accuracy")
         ax.set_xlabel("step")
-        ax.legend()
-        fig.tight_layout()
-        written.append(run_dir / "reward_accuracy.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(_save(plt, fig, ax, run_dir / "reward_accuracy.png"))
     if queues:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         t0 = queues[0]["time"]
@@ -55,10 +51,14 @@ def write_plots(run_dir: Path, steps: list[dict], queues: list[dict]) -> list[Pa
                     label=hop)
         ax.set_xlabel("seconds")
         ax.set_ylabel("groups in the queue")
-        ax.legend()
-        fig.tight_layout()
-        written.append(run_dir / "queue_depth.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        written.append(_save(plt, fig, ax, run_dir / "queue_depth.png"))
     log.info("plots written: %s", ", ".join(p.name for p in written) or "none (no data)")
     return written
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -2,9 +2,12 @@
 
 Every sender has `push(model, version, *, flush_cache) -> time split` and `close()`:
 
-    tensor_sender.py    shared-memory handles (CPU) or CUDA-IPC buckets (GPU)   engine side: tensor_receiver.py
-    flat_sender.py      one persistent GPU buffer that SGLang maps once          engine side: flat_receiver.py
-    broadcast_sender.py a torch.distributed group, any host                      engine side: local_engine/weight_group.py
+    tensor_sender.py     shared-memory handles (CPU) or CUDA-IPC buckets (GPU)
+                         engine side: tensor_receiver.py
+    flat_sender.py       one persistent GPU buffer that SGLang maps once
+                         engine side: flat_receiver.py (SGLang's custom weight loader)
+    broadcast_sender.py  a torch.distributed group, engines on any host
+                         engine side: nano_miles/local_engine/weight_group.py
 
 The trainer picks its sender in one place (`make_sender` in nano_miles/stages/trainer/peers.py) from
 `engine.weight_transport`: "tensor" or "distributed". The flat sender is not selected there yet: it is

@@ -1,6 +1,7 @@
 """Weight updates by collective broadcast: the trainer is rank 0 of a group that every engine joins.
 Trainer side, used when `engine.weight_transport = "distributed"`; the group itself is
-`broadcast_group.py`, the local engine's side `nano_miles/local_engine/weight_group.py`. Test: `pytest tests/test_broadcast_transport.py`.
+`broadcast_group.py`, the local engine's side `nano_miles/local_engine/weight_group.py`.
+Test: `pytest tests/test_broadcast_transport.py`.
 
 SGLang's NCCL path (docs/sglang-contract.md §3.5), with gloo on CPU:
 

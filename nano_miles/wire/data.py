@@ -1,6 +1,7 @@
 """Data-plane messages of nano-miles (RolloutGroup, ScoredGroup): fields, msgpack layout, validation.
 
-Test: `pytest tests/test_wire.py`; measure: `python bench/wire.py`. Control messages: control.py; shared framing and group ids: codec.py.
+Test: `pytest tests/test_wire.py`; measure: `python bench/wire.py`. Control messages: control.py;
+shared framing and group ids: codec.py.
 
 Layout. One message is one msgpack map with the schema version `v` and a `kind` ("rollout" or
 "scored"); a scored message is the rollout map plus the scored fields. Token ids travel as raw

@@ -1,1 +1,2 @@
-"""The reward stage: scores each sample and computes group advantages (`scorer.py`); the reward function runs in a child process (`worker.py`)."""
+"""The reward stage: scores each sample and computes group advantages (`scorer.py`); the reward
+function runs in a child process (`worker.py`)."""

@@ -182,8 +182,8 @@ class Trainer:
                 continue
             self.metrics.received(scored)
             group = scored.group
-            self.received_times.append((group.timestamps.get("issued", 0.0), group.timestamps.get("generated", 0.0),
-                                        time.time()))
+            stamps = group.timestamps
+            self.received_times.append((stamps.get("issued", 0.0), stamps.get("generated", 0.0), time.time()))
             newest = max(int(s.versions[-1]) for s in group.samples)
             staleness = (self.step - 1) - group.oldest_version
             self.state.cursor = max(self.state.cursor, position_of(group.group_id, self.num_items) + 1)
@@ -258,10 +258,11 @@ class Trainer:
         Queue depth = groups the producer has sent downstream that are neither trained nor dropped
         yet (in reward or in the trainer's buffers); it survives restarts of either side."""
         p = self.peers.producer  # set since `connect`: every control reply carries it
+        generated = p.num_generated_tokens
         return StepRecord(step=self.step, version=self.state.version, stats=stats, wait_s=wait_s,
                           update_split_ms=self.peers.update_split_ms,
                           queue_depth=p.num_outstanding - p.num_inflight,
-                          goodput=self.num_trained_tokens / p.num_generated_tokens if p.num_generated_tokens else None,
+                          goodput=self.num_trained_tokens / generated if generated else None,
                           num_resumed_samples=p.num_resumed_samples,
                           group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
 
