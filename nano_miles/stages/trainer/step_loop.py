@@ -56,7 +56,6 @@ class Trainer:
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.drops: dict[str, int] = {}
-        self.num_received = 0              # groups pulled, trained or not
         self.num_trained_tokens = 0        # response tokens trained (goodput's numerator)
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
         self.run_dir = cfg.run_dir
@@ -65,10 +64,6 @@ class Trainer:
     @property
     def step(self) -> int:
         return self.state.step
-
-    @property
-    def version(self) -> int:
-        return self.state.version
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -173,7 +168,6 @@ class Trainer:
                 self.peers.request("commit", step=max(0, self.step - 1), group_ids=[],
                                    dropped_group_ids=self.take_dropped())
             data = self.pull.recv()
-            self.num_received += 1
             try:
                 scored = decode_scored(data)
             except WireError as e:
