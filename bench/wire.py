@@ -54,13 +54,13 @@ def make_group(num_samples: int, num_prompt: int, num_response: int, seed: int =
         samples.append(Sample(rng.integers(0, VOCAB_SIZE, num_response, dtype=np.int32),
                               -rng.exponential(1.0, num_response).astype(np.float32), versions, "length"))
     return RolloutGroup(make_group_id(0, seed), 0, rng.integers(0, VOCAB_SIZE, num_prompt, dtype=np.int32),
-                        samples, {"label": "42"}, {"rollout": time.time()})
+                        samples, {"label": "42"}, {"rollout": time.time()}, run_id="bench")
 
 
 def encode_lists(g: RolloutGroup) -> bytes:
     wire.validate_rollout(g)
     return msgpack.packb({
-        "v": 1, "kind": "rollout", "group_id": g.group_id, "attempt": g.attempt,
+        "v": 2, "kind": "rollout", "run_id": g.run_id, "group_id": g.group_id, "attempt": g.attempt,
         "prompt_tokens": g.prompt_tokens.tolist(),
         "samples": [{"response_tokens": s.response_tokens.tolist(), "logprobs": s.logprobs.tolist(),
                      "versions": s.versions.tolist(), "finish_reason": s.finish_reason} for s in g.samples],
@@ -72,7 +72,7 @@ def decode_lists(data) -> RolloutGroup:
     g = RolloutGroup(m["group_id"], m["attempt"], np.array(m["prompt_tokens"], dtype=np.int32),
                      [Sample(np.array(s["response_tokens"], dtype=np.int32), np.array(s["logprobs"], dtype=np.float32),
                              np.array(s["versions"], dtype=np.int32), s["finish_reason"]) for s in m["samples"]],
-                     m["metadata"], m["timestamps"])
+                     m["metadata"], m["timestamps"], m["run_id"])
     wire.validate_rollout(g)
     return g
 

@@ -18,6 +18,7 @@ from harness.supervised_run import SupervisedRun
 from nano_miles.observe.metrics import HOP_REWARD
 from nano_miles.observe.scrape import scrape
 from nano_miles.run.config import load_config
+from nano_miles.run.identity import read_run_identity
 from nano_miles.wire.codec import MAX_MESSAGE_BYTES
 from nano_miles.wire.sockets import ControlClient, make_socket
 
@@ -55,10 +56,11 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
     run = SupervisedRun(tmp_path / "run", SHORT + [f"--trainer.num_steps={num_steps}"]).start()
     cfg = load_config(overrides=run.overrides)
     ctx = zmq.Context()
-    producer = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=2.0, retries=3)
     samples = []
     try:
         wait_for_step(run, 3)
+        run_id, _ = read_run_identity(run.run_dir)  # the producer answers only its own run
+        producer = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=run_id, timeout_s=2.0, retries=3)
         pids = {stage: stage_pid(run, stage) for stage in ("rollout", "reward")}
         assert "stopped" in run.ctl("stop", "nanomiles:trainer")
         started = time.monotonic()

@@ -72,7 +72,7 @@ def test_peers_select_broadcast_transport_by_config(engine, policy_dir):
     port = engine.rsplit(":", 1)[1]
     cfg = load_config(overrides=[f"--engine.port={port}", "--engine.weight_transport=distributed",
                                  "--engine.weight_group_timeout_s=30"])
-    link = Peers(cfg, zmq.Context.instance(), durable_state=dict)
+    link = Peers(cfg, zmq.Context.instance(), durable_state=dict, run_id="test-run")
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     perturb(model, seed=3)
     try:

@@ -23,14 +23,14 @@ from nano_miles.wire.data import decode_rollout, decode_scored, encode_rollout, 
 from nano_miles.wire.sockets import ControlServer, make_socket
 
 # the first name of every field a WireError can point at
-FIELDS = ("message", "v", "kind", "cmd", "req_id", "args", "incarnation", "ok", "error", "result",
+FIELDS = ("message", "v", "kind", "cmd", "req_id", "run_id", "args", "incarnation", "ok", "error", "result",
           "group_id", "attempt", "prompt_tokens", "samples", "metadata", "timestamps", "rewards",
           "advantages", "reward_parts", "group")
 NAMES_A_FIELD = re.compile(rf"^({'|'.join(FIELDS)})([.\[:]|\s)")
 
 REENCODERS = {
     decode_rollout: encode_rollout, decode_scored: encode_scored,
-    decode_request: lambda r: encode_request(r.cmd, r.req_id, **r.args),
+    decode_request: lambda r: encode_request(r.cmd, r.req_id, r.run_id, **r.args),
     decode_reply: lambda r: encode_reply(r.req_id, r.incarnation, r.result, r.error or None),
 }
 COUNTS = {"inputs": 0, "rejected": 0, "valid": 0}

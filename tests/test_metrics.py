@@ -134,7 +134,7 @@ def test_live_view_shows_sent_minus_received():
     rollout, reward = RolloutMetrics(cfg, state), RewardMetrics(cfg)
     sample = Sample(np.arange(5, dtype=np.int32), np.zeros(5, np.float32), np.zeros(5, np.int32), "stop")
     group = RolloutGroup("e0-i0", 0, np.arange(3, dtype=np.int32), [sample],
-                         timestamps={"issued": 0.0, "generated": 1.0})
+                         timestamps={"issued": 0.0, "generated": 1.0}, run_id="run-a")
     for _ in range(7):
         rollout.issued()
         rollout.sent(group)

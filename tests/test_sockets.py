@@ -54,9 +54,9 @@ def test_repeated_req_id_runs_once_and_gets_the_same_reply(ctx, tmp_path):
     state = Counting()
     server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers())
     req = make_socket(ctx, zmq.REQ, f"ipc://{tmp_path}/c", bind=False)
-    payloads = [encode_request("commit", "same-id", step=3, group_ids=["e0-i1", "e0-i2"],
+    payloads = [encode_request("commit", "same-id", "run-a", step=3, group_ids=["e0-i1", "e0-i2"],
                                dropped_group_ids=[]),
-                encode_request("pause", "p1", mode="abort")]
+                encode_request("pause", "p1", "run-a", mode="abort")]
     replies = []
     for payload in payloads + payloads:
         req.send(payload)
@@ -76,7 +76,7 @@ def test_lost_reply_is_retried_without_running_twice(ctx, tmp_path):
     # The server starts late: the client's first try times out and its socket is dropped, so the
     # reply to that try is lost; the retry carries the same req_id and is answered from the cache.
     thread = serve_in_thread(server, stop, delay_s=0.5)
-    client = ControlClient(ctx, f"ipc://{tmp_path}/c", timeout_s=0.3, retries=10)
+    client = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-a", timeout_s=0.3, retries=10)
     assert client.request("resume", version=4) == {"version": 4}
     stop.set()
     thread.join()
@@ -87,7 +87,7 @@ def test_lost_reply_is_retried_without_running_twice(ctx, tmp_path):
 
 def test_client_notices_a_restarted_server(ctx, tmp_path):
     endpoint = f"ipc://{tmp_path}/c"
-    client = ControlClient(ctx, endpoint, timeout_s=1.0, retries=3)
+    client = ControlClient(ctx, endpoint, run_id="run-a", timeout_s=1.0, retries=3)
     for incarnation in range(2):
         server = ControlServer(ctx, endpoint, Counting().handlers())
         stop = threading.Event()
@@ -101,7 +101,7 @@ def test_client_notices_a_restarted_server(ctx, tmp_path):
 
 
 def test_no_server_gives_a_timeout_naming_the_endpoint(ctx, tmp_path):
-    client = ControlClient(ctx, f"ipc://{tmp_path}/nobody", timeout_s=0.1, retries=2)
+    client = ControlClient(ctx, f"ipc://{tmp_path}/nobody", run_id="run-a", timeout_s=0.1, retries=2)
     with pytest.raises(ControlTimeout, match="nobody"):
         client.request("status")
     client.close()
@@ -111,13 +111,13 @@ def test_bad_requests_are_answered_and_the_server_goes_on(ctx, tmp_path):
     state = Counting()
     server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers())
     req = make_socket(ctx, zmq.REQ, f"ipc://{tmp_path}/c", bind=False)
-    for junk in (b"", b"\xc1\xc1", b"\x93\x01\x02\x03", encode_request("status", "s1")):
+    for junk in (b"", b"\xc1\xc1", b"\x93\x01\x02\x03", encode_request("status", "s1", "run-a")):
         req.send(junk)
         server.poll_once(1.0)
         reply = decode_reply(req.recv())
         assert not reply.ok and reply.error
     assert server.num_rejected == 3  # the status request was valid, just not served here
-    client = ControlClient(ctx, f"ipc://{tmp_path}/c", timeout_s=1.0, retries=2)
+    client = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-a", timeout_s=1.0, retries=2)
     stop = threading.Event()
     thread = serve_in_thread(server, stop)
     with pytest.raises(ControlError, match="not served"):
@@ -127,3 +127,27 @@ def test_bad_requests_are_answered_and_the_server_goes_on(ctx, tmp_path):
     thread.join()
     for s in (req, client, server):
         s.close()
+
+
+def test_a_server_claimed_by_one_run_refuses_and_counts_another(ctx, tmp_path):
+    state = Counting()
+    server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers(), claim_cmd="commit")
+    stop = threading.Event()
+    serve_in_thread(server, stop)
+    ours = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-a", timeout_s=1.0, retries=2)
+    leftover = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-b", timeout_s=1.0, retries=2)
+    try:
+        leftover.request("pause", mode="abort")  # before any claim a server serves whoever asks
+        ours.request("commit", step=1, group_ids=["e0-i0"], dropped_group_ids=[])  # the claim
+        with pytest.raises(ControlError, match="foreign run: run-b"):
+            leftover.request("commit", step=9, group_ids=["e0-i9"], dropped_group_ids=[])
+        with pytest.raises(ControlError, match="foreign run: run-b"):
+            leftover.request("resume", version=9)
+        assert ours.request("resume", version=2) == {"version": 2}
+        assert state.calls == {"pause": 1, "resume": 1, "commit": 1} and state.version == 2
+        assert server.num_foreign == 2
+    finally:
+        stop.set()
+        ours.close()
+        leftover.close()
+        server.close()

@@ -40,7 +40,7 @@ def fixed_group() -> RolloutGroup:
         samples=[Sample(i32(5, 6, 7, 2), f32(-0.5, -1.25, -0.0, -3.0), i32(4, 4, 5, 5), "stop"),
                  Sample(i32(8, 9), f32(-0.75, -2.0), i32(4, 4), "length")],
         metadata={"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False},
-        timestamps={"rollout": 1767225600.25, "reward": 1767225601.5})
+        timestamps={"rollout": 1767225600.25, "reward": 1767225601.5}, run_id="3f9a2c71d0be")
 
 
 def fixed_scored() -> ScoredGroup:
@@ -56,13 +56,14 @@ def fixed_status() -> ProducerStatus:
 
 
 def fixed_controls() -> dict[str, bytes]:
-    state = {"step": 7, "version": 7, "committed_group_ids": ["e0-i0", "e0-i1"], "cursor": 2}
-    return {"request_restore": encode_request("restore", "trainer-1-42", state=state),
+    state = {"step": 7, "version": 7, "committed_group_ids": ["e0-i0", "e0-i1"], "cursor": 2,
+             "num_generated_tokens": 1234}
+    return {"request_restore": encode_request("restore", "trainer-1-42", "3f9a2c71d0be", state=state),
             "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
 
 
-# schema version of each golden message: data plane v1, control plane v2
-GOLDEN_VERSIONS = {"rollout": 1, "scored": 1, "request_restore": 2, "reply_status": 2}
+# schema version of each golden message: data plane v2, control plane v3
+GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 3, "reply_status": 3}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -79,8 +80,8 @@ def test_golden_bytes(name):
 
 
 def test_golden_decodes_back_equal():
-    assert decode_rollout((GOLDEN / "rollout_v1.msgpack").read_bytes()) == fixed_group()
-    scored = decode_scored((GOLDEN / "scored_v1.msgpack").read_bytes())
+    assert decode_rollout((GOLDEN / "rollout_v2.msgpack").read_bytes()) == fixed_group()
+    scored = decode_scored((GOLDEN / "scored_v2.msgpack").read_bytes())
     assert scored == fixed_scored()
     assert scored != ScoredGroup(fixed_group(), f32(1, 1), f32(0, 0))  # equality is not vacuous
     assert not scored.rewards.flags.writeable  # a zero-copy view over the received bytes
@@ -103,7 +104,7 @@ def test_control_round_trip():
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
              ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"]}), ("restore", {"state": state}), ("status", {})]
     for cmd, args in cases:
-        assert decode_request(encode_request(cmd, "r1", **args)) == ControlRequest(cmd, "r1", args)
+        assert decode_request(encode_request(cmd, "r1", "run-a", **args)) == ControlRequest(cmd, "r1", args, "run-a")
     assert decode_reply(encode_reply("r1", "inc", {"n": [1, 2.5, None, {"a": "b"}]})) == \
         ControlReply("r1", "inc", True, {"n": [1, 2.5, None, {"a": "b"}]})
     assert decode_reply(encode_reply("r1", "inc", error="not paused")) == \
@@ -143,7 +144,9 @@ def s0(m):
 ROLLOUT_CASES = [
     # (what, mutation of the raw map, text the error must contain)
     ("missing kind", lambda m: m.pop("kind"), "kind: missing"),
-    ("unknown version", lambda m: m.update(v=2), r"v: unknown schema version 2 \(known: \[1\]\)"),
+    ("unknown version", lambda m: m.update(v=1), r"v: unknown schema version 1 \(known: \[2\]\)"),
+    ("missing run id", lambda m: m.pop("run_id"), "run_id: missing"),
+    ("empty run id", lambda m: m.update(run_id=""), "run_id: expected a string of 1..128 chars"),
     ("missing version", lambda m: m.pop("v"), "v: unknown schema version None"),
     ("missing field", lambda m: m.pop("attempt"), "attempt: missing"),
     ("wrong type", lambda m: m.update(attempt="1"), "attempt: expected int, got str"),
@@ -274,20 +277,22 @@ def test_producer_status_round_trip_and_checks():
 ])
 def test_control_request_validation(cmd, args, match):
     # The decoder is the trust boundary, so pack by hand rather than through the (also checking) encoder.
-    data = msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": "r1", "args": args})
+    data = msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": "r1", "run_id": "run-a",
+                          "args": args})
     with pytest.raises(WireError, match=match):
         decode_request(data)
     with pytest.raises(WireError, match=match):
-        encode_request(cmd, "r1", **args)
+        encode_request(cmd, "r1", "run-a", **args)
 
 
 def test_control_message_validation():
     with pytest.raises(WireError, match="args.force: not an argument of status"):
-        encode_request("status", "r1", force=True)
+        encode_request("status", "r1", "run-a", force=True)
     with pytest.raises(WireError, match="req_id: expected a string of 1..128"):
-        decode_request(msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": "status", "req_id": "", "args": {}}))
+        decode_request(msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": "status", "req_id": "",
+                                       "run_id": "run-a", "args": {}}))
     with pytest.raises(WireError, match="kind: expected 'reply', got 'request'"):
-        decode_reply(encode_request("status", "r1"))
+        decode_reply(encode_request("status", "r1", "run-a"))
     bad_reply = {"v": CONTROL_SCHEMA_VERSION, "kind": "reply", "req_id": "r1", "incarnation": "i", "ok": False, "error": "", "result": {}}
     with pytest.raises(WireError, match="error: must be non-empty exactly when ok is false"):
         decode_reply(msgpack.packb(bad_reply))
@@ -302,7 +307,7 @@ def test_control_message_validation():
 
 REENCODERS = {
     decode_rollout: encode_rollout, decode_scored: encode_scored,
-    decode_request: lambda r: encode_request(r.cmd, r.req_id, **r.args),
+    decode_request: lambda r: encode_request(r.cmd, r.req_id, r.run_id, **r.args),
     decode_reply: lambda r: encode_reply(r.req_id, r.incarnation, r.result, r.error or None),
 }
 

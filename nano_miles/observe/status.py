@@ -17,6 +17,7 @@ import zmq
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.observe.metrics import HOP_REWARD, HOP_TRAINER
 from nano_miles.observe.scrape import scrape, stage_urls
+from nano_miles.run.identity import read_run_identity
 from nano_miles.run.config import Config, config_or_exit
 from nano_miles.wire.codec import WireError
 from nano_miles.wire.control import ProducerStatus
@@ -37,7 +38,9 @@ def engine_status(cfg: Config) -> tuple[bool, str]:
 
 
 def producer_status(cfg: Config, ctx: zmq.Context) -> tuple[bool, str]:
-    client = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=TIMEOUT_S, retries=1)
+    identity = read_run_identity(cfg.run_dir)  # the producer answers only the run it serves
+    client = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=identity[0] if identity else "none",
+                           timeout_s=TIMEOUT_S, retries=1)
     try:
         s = ProducerStatus.from_result(client.request("status"))
     except ControlTimeout:

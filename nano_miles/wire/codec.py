@@ -13,8 +13,8 @@ import re
 
 import msgpack
 
-SCHEMA_VERSION = 1
-KNOWN_SCHEMA_VERSIONS = (1,)
+SCHEMA_VERSION = 2            # 2: every group carries its run's id
+KNOWN_SCHEMA_VERSIONS = (2,)
 
 # Limits. The byte limit is checked before unpacking; the others also bound what msgpack allocates.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -22,6 +22,7 @@ MAX_SAMPLES_PER_GROUP = 256              # G; GRPO uses 4..64
 MAX_TOKENS_PER_SEQUENCE = 256 * 1024     # prompt + one response
 MAX_MAP_ITEMS = 256                      # metadata, timestamps, reward_parts, any map
 MAX_STR_BYTES = 1024 * 1024              # one string, e.g. a reference answer or a test suite
+MAX_ID_CHARS = 128                       # run_id, req_id, incarnation
 
 _GROUP_ID = re.compile(r"e(0|[1-9][0-9]{0,17})-i(0|[1-9][0-9]{0,17})")
 
@@ -39,6 +40,13 @@ def check_count(value: object, where: str) -> int:
     """`value` if it is an int >= 0 (a bool is refused, though Python counts it as an int)."""
     if type(value) is not int or value < 0:
         raise WireError(f"{where}: expected an int >= 0, got {_show(value)}")
+    return value
+
+
+def check_text_id(value: object, where: str) -> str:
+    """`value` if it is a string of 1..MAX_ID_CHARS chars (a run id, request id or incarnation)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
+        raise WireError(f"{where}: expected a string of 1..{MAX_ID_CHARS} chars, got {_show(value)}")
     return value
 
 

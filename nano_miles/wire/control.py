@@ -1,9 +1,14 @@
 """Control-plane messages of nano-miles: the trainer's REQ commands and the rollout producer's REP replies.
 
 Test: `pytest tests/test_wire.py`. Framing, limits and WireError are those of `codec.py`; control messages
-carry schema version `v` = CONTROL_SCHEMA_VERSION (2: `restore` with a one-number cursor, typed status).
+carry schema version `v` = CONTROL_SCHEMA_VERSION (3: every request names its run; `restore` carries the
+token count goodput divides by).
 
-Every request carries a `req_id` that the client keeps across retries (Lazy Pirate), so a server that
+Every request carries the `run_id` of the trainer's run (kept in its checkpoints). A producer takes the
+run of the first `restore` it is sent and refuses requests of any other run, so a leftover trainer of an
+earlier run, or a second run on the same ports, is turned away instead of mixed in.
+
+Every request also carries a `req_id` that the client keeps across retries (Lazy Pirate), so a server that
 already executed that request answers again without doing it twice. Every reply carries the server's
 `incarnation`, a random id drawn at process start: a new value tells the client the server restarted
 and lost its state, so the client re-sends `restore`.
@@ -18,9 +23,10 @@ unknown argument keys like unknown keys anywhere else):
                              step >= 0; group_ids: the groups trained at that step (now in the
                              trainer's model); dropped_group_ids: groups the trainer refused since its
                              last commit (stale, from weights it no longer has): issue them again
-    restore(state)           state: a RestoreState {step, version, committed_group_ids, cursor}, the
-                             trainer's durable state after a restart on either side; cursor = one
-                             past the furthest dataset position (group id) the trainer has seen
+    restore(state)           state: a RestoreState {step, version, committed_group_ids, cursor,
+                             num_generated_tokens}, the trainer's durable state after a restart on
+                             either side; cursor = one past the furthest dataset position (group id)
+                             the trainer has trained
     status()
 
 Every command is answered with the producer's `ProducerStatus` (its fields are checked on both ends).
@@ -34,9 +40,9 @@ from typing import Any, Callable
 
 import msgpack
 
-from nano_miles.wire.codec import WireError, check_count, get, parse_group_id, unpack_message
+from nano_miles.wire.codec import WireError, check_count, check_text_id, get, parse_group_id, unpack_message
 
-CONTROL_SCHEMA_VERSION = 2
+CONTROL_SCHEMA_VERSION = 3
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
@@ -48,7 +54,6 @@ def keeps_requests(pause_mode: str) -> bool:
     return pause_mode != "abort"
 
 
-MAX_ID_CHARS = 128          # req_id, incarnation
 MAX_GROUP_IDS = 1 << 20     # ids in one commit or restore: a whole epoch of a large dataset
 MAX_RESULT_DEPTH = 8        # nesting of a reply's result
 
@@ -58,6 +63,7 @@ class ControlRequest:
     cmd: str              # one of COMMANDS
     req_id: str           # 1..MAX_ID_CHARS chars, chosen by the client, the same on every retry
     args: dict[str, Any]  # exactly the arguments COMMANDS[cmd] names, checked
+    run_id: str           # 1..MAX_ID_CHARS chars: the run of the trainer that sends it
 
 
 @dataclass(frozen=True)
@@ -114,12 +120,6 @@ class ProducerStatus:
                    dropped_for_good=dict(dropped))
 
 
-def _text_id(value: object, where: str) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_CHARS:
-        raise WireError(f"{where}: expected a string of 1..{MAX_ID_CHARS} chars, got {value!r:.60}")
-    return value
-
-
 def _pause_mode(value: object, where: str) -> str:
     if not isinstance(value, str) or value not in PAUSE_MODES:
         raise WireError(f"{where}: {value!r:.60} not in {PAUSE_MODES}")
@@ -145,7 +145,9 @@ class RestoreState:
     step: int                         # optimizer steps in the trainer's model
     version: int                      # weight version the engine serves (= step)
     committed_group_ids: list[str]    # every group in the trainer's model
-    cursor: int                       # one past the furthest dataset position the trainer has seen
+    cursor: int                       # one past the furthest dataset position the trainer has trained
+    num_generated_tokens: int = 0     # the producer's token count as the trainer last heard it: a
+                                      # restarted producer counts on from it (goodput spans restarts)
 
 
 def _restore_state(value: object, where: str) -> RestoreState:
@@ -159,7 +161,9 @@ def _restore_state(value: object, where: str) -> RestoreState:
         version=check_count(get(value, "version", int, prefix), prefix + "version"),
         committed_group_ids=_group_ids(get(value, "committed_group_ids", list, prefix),
                                        prefix + "committed_group_ids"),
-        cursor=check_count(get(value, "cursor", int, prefix), prefix + "cursor"))
+        cursor=check_count(get(value, "cursor", int, prefix), prefix + "cursor"),
+        num_generated_tokens=check_count(get(value, "num_generated_tokens", int, prefix),
+                                         prefix + "num_generated_tokens"))
 
 
 # Each command's arguments and the check that returns the argument's normalized value.
@@ -206,13 +210,15 @@ def _check_json(value: object, where: str, depth: int = 0) -> None:
         raise WireError(f"{where}: {type(value).__name__} is not JSON-like")
 
 
-def encode_request(cmd: str, req_id: str, **args: Any) -> bytes:
-    """Pack one command, e.g. encode_request("resume", "r7", version=3); unknown arguments are refused."""
+def encode_request(cmd: str, req_id: str, run_id: str, **args: Any) -> bytes:
+    """Pack one command, e.g. encode_request("resume", "r7", "run-1", version=3); unknown arguments are
+    refused."""
     checked = _check_args(cmd, args)
     extra = sorted(args.keys() - checked.keys())
     if extra:
         raise WireError(f"args.{extra[0]}: not an argument of {cmd}")
-    m = {"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": _text_id(req_id, "req_id"),
+    m = {"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": check_text_id(req_id, "req_id"),
+         "run_id": check_text_id(run_id, "run_id"),
          "args": {k: asdict(v) if isinstance(v, RestoreState) else v for k, v in checked.items()}}
     return msgpack.packb(m)
 
@@ -221,8 +227,9 @@ def decode_request(data: bytes | bytearray | memoryview) -> ControlRequest:
     """The ControlRequest in one `kind="request"` message; WireError naming the field otherwise."""
     m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, versions=(CONTROL_SCHEMA_VERSION,))
     cmd = get(m, "cmd", str, "")
-    req_id = _text_id(get(m, "req_id", str, ""), "req_id")
-    return ControlRequest(cmd, req_id, _check_args(cmd, get(m, "args", dict, "")))
+    req_id = check_text_id(get(m, "req_id", str, ""), "req_id")
+    run_id = check_text_id(get(m, "run_id", str, ""), "run_id")
+    return ControlRequest(cmd, req_id, _check_args(cmd, get(m, "args", dict, "")), run_id)
 
 
 def encode_reply(req_id: str, incarnation: str, result: dict[str, Any] | None = None,
@@ -234,8 +241,8 @@ def encode_reply(req_id: str, incarnation: str, result: dict[str, Any] | None = 
     if not isinstance(result, dict):
         raise WireError(f"result: expected a map, got {type(result).__name__}")
     _check_json(result, "result")
-    m = {"v": CONTROL_SCHEMA_VERSION, "kind": "reply", "req_id": _text_id(req_id, "req_id"),
-         "incarnation": _text_id(incarnation, "incarnation"), "ok": error is None,
+    m = {"v": CONTROL_SCHEMA_VERSION, "kind": "reply", "req_id": check_text_id(req_id, "req_id"),
+         "incarnation": check_text_id(incarnation, "incarnation"), "ok": error is None,
          "error": error or "", "result": result}
     return msgpack.packb(m)
 
@@ -249,5 +256,5 @@ def decode_reply(data: bytes | bytearray | memoryview) -> ControlReply:
         raise WireError(f"error: must be non-empty exactly when ok is false (ok={ok}, error={error!r:.60})")
     result = get(m, "result", dict, "")
     _check_json(result, "result")
-    return ControlReply(_text_id(get(m, "req_id", str, ""), "req_id"),
-                        _text_id(get(m, "incarnation", str, ""), "incarnation"), ok, result, error)
+    return ControlReply(check_text_id(get(m, "req_id", str, ""), "req_id"),
+                        check_text_id(get(m, "incarnation", str, ""), "incarnation"), ok, result, error)

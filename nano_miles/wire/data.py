@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 
 from nano_miles.wire.codec import (MAX_MAP_ITEMS, MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_STR_BYTES,
-                                   MAX_TOKENS_PER_SEQUENCE, SCHEMA_VERSION, WireError, _show, check_count, get,
+                                   MAX_TOKENS_PER_SEQUENCE, SCHEMA_VERSION, WireError, _show, check_count, check_text_id, get,
                                    parse_group_id, unpack_message)
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -62,6 +62,8 @@ class RolloutGroup:
     samples: list[Sample]      # 1 <= G <= MAX_SAMPLES_PER_GROUP
     metadata: dict[str, str | int | float | bool] = field(default_factory=dict)  # task data, e.g. "label"
     timestamps: dict[str, float] = field(default_factory=dict)  # stage name -> unix time (s), finite
+    run_id: str = ""           # the run it belongs to (1..MAX_ID_CHARS chars, set by the producer from
+                               # the trainer's `restore`): a leftover stage of another run is refused
 
     @property
     def oldest_version(self) -> int:
@@ -76,7 +78,7 @@ class RolloutGroup:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutGroup):
             return NotImplemented
-        return (self.group_id == other.group_id and self.attempt == other.attempt
+        return (self.group_id == other.group_id and self.run_id == other.run_id and self.attempt == other.attempt
                 and _same(self.prompt_tokens, other.prompt_tokens) and self.samples == other.samples
                 and self.metadata == other.metadata and self.timestamps == other.timestamps)
 
@@ -109,6 +111,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def validate_rollout(group: RolloutGroup) -> None:
     """Raise WireError naming the first field of `group` that breaks an invariant."""
     parse_group_id(group.group_id)
+    check_text_id(group.run_id, "run_id")
     check_count(group.attempt, "attempt")
     num_prompt = _check_tokens(group.prompt_tokens, "prompt_tokens")
     samples = group.samples
@@ -248,7 +251,7 @@ def _bin(a: np.ndarray, dtype: np.dtype) -> memoryview:
 
 def _rollout_map(g: RolloutGroup, kind: str) -> dict:
     return {
-        "v": SCHEMA_VERSION, "kind": kind, "group_id": g.group_id, "attempt": g.attempt,
+        "v": SCHEMA_VERSION, "kind": kind, "run_id": g.run_id, "group_id": g.group_id, "attempt": g.attempt,
         "prompt_tokens": _bin(g.prompt_tokens, TOKEN_DTYPE),
         "samples": [{"response_tokens": _bin(s.response_tokens, TOKEN_DTYPE),
                      "logprobs": _bin(s.logprobs, FLOAT_DTYPE),
@@ -305,7 +308,7 @@ def _decode_group(m: dict) -> RolloutGroup:
                               get(s, "finish_reason", str, prefix)))
     return RolloutGroup(get(m, "group_id", str, ""), get(m, "attempt", int, ""),
                         _array(m, "prompt_tokens", TOKEN_DTYPE, ""), samples,
-                        get(m, "metadata", dict, ""), get(m, "timestamps", dict, ""))
+                        get(m, "metadata", dict, ""), get(m, "timestamps", dict, ""), get(m, "run_id", str, ""))
 
 
 def decode_rollout(data: bytes | bytearray | memoryview) -> RolloutGroup:

@@ -93,8 +93,9 @@ class ControlClient:
     reply cache, so a retried command is never executed twice.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, timeout_s: float = 5.0, retries: int = 6):
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, run_id: str, timeout_s: float = 5.0, retries: int = 6):
         self.ctx, self.endpoint, self.timeout_s, self.retries = ctx, endpoint, timeout_s, retries
+        self.run_id = run_id  # sent with every request; the server refuses any other run
         self.sock: zmq.Socket | None = None
         self.server_incarnation: str | None = None
         self.is_server_restarted = False  # set when the incarnation changes; the caller re-syncs
@@ -107,7 +108,7 @@ class ControlClient:
 
     def request(self, cmd: str, **args: Any) -> dict[str, Any]:
         req_id = uuid.uuid4().hex
-        payload = encode_request(cmd, req_id, **args)
+        payload = encode_request(cmd, req_id, self.run_id, **args)
         for attempt in range(1, self.retries + 1):
             sock = self.sock or self._fresh_socket()
             sock.send(payload)
@@ -141,18 +142,23 @@ class ControlClient:
 class ControlServer:
     """REP side: decodes a request, runs its handler, replies; answers repeats from a reply cache.
 
-    Every received message gets exactly one reply (REP requires it): undecodable requests and
-    unknown commands are answered with ok=false and a reason, and counted.
+    Every received message gets exactly one reply (REP requires it): undecodable requests, unknown
+    commands and requests of another run are answered with ok=false and a reason, and counted. The
+    server belongs to no run until a `claim_cmd` request arrives; from then on, to that request's run.
     """
 
     def __init__(self, ctx: zmq.Context, endpoint: str,
-                 handlers: dict[str, Callable[..., dict[str, Any]]], *, max_cached_replies: int = 256):
+                 handlers: dict[str, Callable[..., dict[str, Any]]], *, claim_cmd: str = "restore",
+                 max_cached_replies: int = 256):
         self.sock = make_socket(ctx, zmq.REP, endpoint, bind=True)
         self.handlers = handlers
+        self.claim_cmd = claim_cmd
+        self.run_id: str | None = None  # the run this server serves, once claimed
         self.incarnation = uuid.uuid4().hex[:16]
         self.replies: OrderedDict[str, bytes] = OrderedDict()
         self.max_cached_replies = max_cached_replies
         self.num_rejected = 0
+        self.num_foreign = 0            # well-formed requests of another run, refused
 
     def poll_once(self, timeout_s: float) -> bool:
         """Serve at most one request; returns whether one was served."""
@@ -168,8 +174,16 @@ class ControlServer:
             self.num_rejected += 1
             log.warning("control: rejected a request: %s", e)
             return encode_reply("invalid", self.incarnation, error=f"bad request: {e}")
+        if self.run_id is not None and req.run_id != self.run_id:
+            self.num_foreign += 1
+            log.warning("control: refused %s from run %s (this server serves run %s)", req.cmd, req.run_id,
+                        self.run_id)
+            return encode_reply(req.req_id, self.incarnation,
+                                error=f"foreign run: {req.run_id} (this server serves run {self.run_id})")
         if req.req_id in self.replies:
             return self.replies[req.req_id]
+        if req.cmd == self.claim_cmd:
+            self.run_id = req.run_id
         handler = self.handlers.get(req.cmd)
         if handler is None:
             return encode_reply(req.req_id, self.incarnation, error=f"{req.cmd} is not served here")

@@ -43,12 +43,12 @@ def make_sender(cfg: Config, engine):
 
 class Peers:
     def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], RestoreState], *,
-                 on_producer_restart: Callable[[], None] = lambda: None):
+                 run_id: str, on_producer_restart: Callable[[], None] = lambda: None):
         t = cfg.trainer
         self.cfg = cfg
         self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
         self.sender = make_sender(cfg, self.engine)
-        self.control = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=t.control_timeout_s,
+        self.control = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=run_id, timeout_s=t.control_timeout_s,
                                      retries=t.control_retries)
         self.durable_state = durable_state  # the trainer's durable state, as `restore` sends it
         self.on_producer_restart = on_producer_restart

@@ -1,0 +1,39 @@
+"""The run's identity: a random id and a start time, drawn by the trainer when the run starts.
+
+Library module. The trainer writes `<run dir>/run.json` at its first start and keeps both values in
+every checkpoint; a restarted trainer takes them from its checkpoint (or from this file before the
+first checkpoint). The id tags every data and control message, so stages of another run (a leftover
+process, a second run on the same ports) are refused; the start time makes the run's wall time span
+restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+RUN_FILE = "run.json"
+
+
+def read_run_identity(run_dir: Path) -> tuple[str, float] | None:
+    """(run id, unix start time) of the run in `run_dir`, or None before its trainer first started."""
+    try:
+        data = json.loads((run_dir / RUN_FILE).read_text())
+        return str(data["run_id"]), float(data["started_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def ensure_run_identity(run_dir: Path) -> tuple[str, float]:
+    """The run's identity, drawn and written (atomically) if this is the run's first start."""
+    found = read_run_identity(run_dir)
+    if found is not None:
+        return found
+    run_id, started_at = uuid.uuid4().hex[:12], time.time()
+    tmp = run_dir / (RUN_FILE + ".tmp")
+    tmp.write_text(json.dumps({"run_id": run_id, "started_at": started_at}) + "\n")
+    os.replace(tmp, run_dir / RUN_FILE)
+    return run_id, started_at
