@@ -29,6 +29,7 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
     pull = ctx.socket(zmq.PULL)
     pull.bind(cfg.reward.endpoint)
     try:
+        producer.control.run_id = "test-run"  # what the trainer's first `restore` sets
         producer.on_resume(0)
         deadline = time.monotonic() + 60
         while producer.state.num_sent < 3 or producer.state.inflight:
@@ -47,9 +48,7 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
         assert status["outstanding_group_ids"] == ["e0-i1", "e0-i2", "e0-i3"]
     finally:
         pull.close(linger=0)
-        producer.push.close(linger=0)
-        producer.control.close()
-        producer.pool.shutdown(wait=False)
+        producer.close()
         ctx.term()
     # the end-of-run report lists it as dropped with that reason, not lost
     state = SimpleNamespace(trained_by_step={1: ["e0-i1", "e0-i2", "e0-i3"]}, cursor=4)

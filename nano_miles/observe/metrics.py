@@ -148,16 +148,15 @@ class TrainerMetrics(StageMetrics):
         self.reward = Gauge("nanomiles_reward_mean", "Mean reward of the last step's batch", registry=r)
         self.accuracy = Gauge("nanomiles_accuracy_ratio", "Share of correct samples in the last batch", registry=r)
         self.eval_accuracy = Gauge("nanomiles_eval_accuracy_ratio", "Last held-out greedy accuracy", registry=r)
-        self.goodput = Gauge("nanomiles_goodput_ratio", "Trained / received response tokens", registry=r)
+        self.goodput = Gauge("nanomiles_goodput_ratio", "Response tokens in the model / generated, over the "
+                             "whole run (from durable counts, so restarts do not skew it)", registry=r)
         self.restarts = Counter("nanomiles_restarts_seen", "Restarts of a peer noticed by the trainer", ["stage"],
                                 registry=r)
         self.step = Gauge("nanomiles_step", "Last finished training step", registry=r)
         self.weight_version.set_function(version)
-        self.num_received_tokens = self.num_trained_tokens = 0
 
     def received(self, scored) -> None:
         num_tokens = response_tokens(scored.group)
-        self.num_received_tokens += num_tokens
         self.count("received", HOP_TRAINER, num_tokens)
 
     def step_done(self, record) -> None:
@@ -174,8 +173,8 @@ class TrainerMetrics(StageMetrics):
         self.accuracy.set(record.stats.accuracy)
         if record.eval_accuracy is not None:
             self.eval_accuracy.set(record.eval_accuracy)
-        self.num_trained_tokens += num_tokens
-        self.goodput.set(self.num_trained_tokens / max(1, self.num_received_tokens))
+        if record.goodput is not None:
+            self.goodput.set(record.goodput)
         self.step.set(record.step)
 
 

@@ -78,9 +78,7 @@ def hop_depths(snaps: dict[str, Snapshot | None]) -> dict[str, float | None]:
 
 
 def goodput(snaps: dict[str, Snapshot | None]) -> float | None:
-    """Trained / generated response tokens, across stages (losses anywhere lower it)."""
-    rollout, trainer = snaps.get("rollout"), snaps.get("trainer")
-    if rollout is None or trainer is None:
-        return None
-    generated = rollout.get("nanomiles_tokens_received_total", 0.0, hop=HOP_ENGINE)
-    return trainer.get("nanomiles_trained_tokens_total", 0.0) / generated if generated else None
+    """Trained / generated response tokens over the run (losses anywhere lower it), as the trainer
+    computes it from durable counts: per-process counters would restart with their process."""
+    trainer = snaps.get("trainer")
+    return trainer.get("nanomiles_goodput_ratio", 0.0) or None if trainer is not None else None

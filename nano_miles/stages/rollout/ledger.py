@@ -10,9 +10,12 @@ as the producer sees them:
                  re-issue queue <--lease expired / dropped by the trainer / rolled back--'
 
 The trainer is the only durable party. After either side restarts, `restore` rebuilds this ledger from
-the trainer's state: the ids in its model and the data cursor (one past the furthest group it saw).
-Every id below the cursor that the trainer does not have is issued again, so a group lost in any
-stage's buffers or in a dead process comes back; an id issued twice is trained at most once.
+the trainer's state: the ids in its model and the data cursor (one past the furthest group it trained).
+Every id below the cursor that the trainer does not have is issued again, and so is every group that
+has left the producer: a restarted trainer holds none of them, and waiting for their leases would stall
+training for `lease_s`. So a group lost in any stage's buffers or in a dead process comes back at once;
+an id issued twice is trained at most once. `release` does the same when the producer sees the stage
+downstream of it go away. The lease remains the backstop for losses nobody notices.
 """
 
 from __future__ import annotations
@@ -93,8 +96,17 @@ class Ledger:
             self._queue_again(group_id)
         return expired
 
-    def restore(self, trained_ids: list[str], cursor: int) -> None:
-        """Adopt the trainer's truth: `trained_ids` are in its model, it saw nothing at or past `cursor`."""
+    def release(self, busy: frozenset | set = frozenset()) -> list[str]:
+        """Every outstanding group that has left the producer (not in `busy`) goes back in line now."""
+        released = [g for g in self.outstanding if g not in busy]
+        for group_id in released:
+            self._queue_again(group_id)
+        return released
+
+    def restore(self, trained_ids: list[str], cursor: int, busy: frozenset | set = frozenset()) -> None:
+        """Adopt the trainer's truth: `trained_ids` are in its model, it trained nothing at or past
+        `cursor`, and it holds none of the groups sent to it (`busy` ones are still generating here)."""
+        self.release(busy)
         trained = set(trained_ids)
         lost = self.trained - trained                 # trained, then lost with a trainer restart
         self.trained = trained

@@ -80,6 +80,8 @@ class RolloutProducer:
                                        thread_name_prefix="generate")
         self.push = make_socket(ctx, zmq.PUSH, cfg.reward.endpoint, bind=False,
                                 hwm_msgs=cfg.rollout.max_inflight_groups)
+        # Tells when the reward stage goes away: what it held is lost, so it is issued again at once.
+        self.push_events = self.push.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.outbox: deque[tuple[RolloutGroup, bytes]] = deque()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)  # a full pipe already means "wake up"
@@ -100,8 +102,9 @@ class RolloutProducer:
         return self.on_status()
 
     def on_restore(self, state: RestoreState) -> dict:
-        self.ledger.restore(state.committed_group_ids, state.cursor)
+        self.ledger.restore(state.committed_group_ids, state.cursor, busy=self.generating_ids())
         self.state.version = state.version
+        self.state.num_generated_tokens = max(self.state.num_generated_tokens, state.num_generated_tokens)
         log.info("restored from the trainer: step %d, version %d, %d groups trained, %d to issue again",
                  state.step, state.version, len(self.ledger.trained), self.ledger.num_pending_reissue)
         return self.on_status()
@@ -127,6 +130,10 @@ class RolloutProducer:
             num_failed=s.num_failed, num_reissued=self.ledger.num_reissued, num_inflight=len(s.inflight),
             outstanding_group_ids=sorted(self.ledger.outstanding),
             dropped_for_good=dict(self.ledger.dropped_for_good)).to_result()
+
+    def generating_ids(self) -> set[str]:
+        """Groups still here: being generated or waiting in the outbox for the reward stage."""
+        return set(self.state.inflight) | {group.group_id for group, _ in self.outbox}
 
     # ------------------------------------------------------------ generation
     def issue(self) -> None:
@@ -177,7 +184,7 @@ class RolloutProducer:
                           np.asarray(versions[i], np.int32), finish[i]) for i in range(r.group_size)]
         return RolloutGroup(group_id, attempt, np.asarray(prompt, np.int32), samples,
                             metadata={"label": self.problems[index].answer, "index": index},
-                            timestamps={"issued": started, "generated": time.time()})
+                            timestamps={"issued": started, "generated": time.time()}, run_id=self.control.run_id)
 
     def generate_with_retry(self, input_ids: list[list[int]], params: list[dict]) -> list[dict]:
         """/generate, retried with backoff while the engine is down or failing (never dropped).
@@ -247,12 +254,27 @@ class RolloutProducer:
             self.state.num_sent += 1
             self.metrics.sent(group)
 
+    def on_downstream_lost(self) -> None:
+        """The reward stage's connection closed (it died or restarted): the groups it held are gone."""
+        while self.push_events.poll(0):
+            self.push_events.recv_multipart()  # the event frames; only their arrival matters
+        released = self.ledger.release(busy=self.generating_ids())
+        log.warning("the reward stage went away; issuing again the %d groups sent downstream and not trained yet",
+                    len(released))
+
     def may_issue(self) -> bool:
         s = self.state
-        return (not s.is_paused and len(s.inflight) < self.cfg.rollout.max_inflight_groups
+        return (not s.is_paused and self.control.run_id is not None and len(s.inflight) < self.cfg.rollout.max_inflight_groups
                 and len(self.outbox) < MAX_OUTBOX
                 and version_allows(self.ledger.budget_used(), s.version, self.cfg.trainer.batch_groups,
                                    self.max_staleness))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.push.disable_monitor()
+        for sock in (self.push_events, self.push):
+            sock.close(linger=0)
+        self.control.close()
 
     def run(self, *, poll_s: float = 0.05) -> None:
         """The loop: answer control, hand on finished groups, expire leases, issue under the gate.
@@ -263,6 +285,7 @@ class RolloutProducer:
         poller = zmq.Poller()
         poller.register(self.control.sock, zmq.POLLIN)
         poller.register(self.wake_r, zmq.POLLIN)
+        poller.register(self.push_events, zmq.POLLIN)
         next_expiry_s = 0.0
         while True:
             events = dict(poller.poll(int(poll_s * 1000)))
@@ -270,6 +293,8 @@ class RolloutProducer:
                 os.read(self.wake_r, 4096)
             if self.control.sock in events:
                 self.control.poll_once(0)
+            if self.push_events in events:
+                self.on_downstream_lost()
             self.collect()
             self.flush_outbox()
             now = time.monotonic()

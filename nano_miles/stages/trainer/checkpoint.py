@@ -1,16 +1,25 @@
-"""The trainer's durable state: atomic checkpoints (HF weights in safetensors + optimizer + ledger).
+"""The trainer's durable state: atomic, verifiable checkpoints (HF weights + optimizer + ledger).
 
-Library module used by the trainer; `tests/test_chaos.py` kills the trainer around its saves and resumes from them.
+Library module used by the trainer; `tests/test_chaos.py` kills the trainer around its saves and resumes
+from them, `tests/test_checkpoint.py` damages them.
 
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding the model (save_pretrained:
-config.json + model.safetensors) and `trainer_state.pt` (optimizer state, step, weight version, data
-cursor, and which groups each step trained). It is written under a `.tmp` name, every file and the
-directory are fsynced, and only then is it renamed into place: a reader sees a whole checkpoint or
-none. The newest complete one wins at start; leftover `.tmp` directories are debris of a crash.
+config.json + model.safetensors), `trainer_state.pt` (optimizer state, step, weight version, data
+cursor, which groups each step trained, the run's identity and token counts) and, written last,
+`manifest.json`: the size and SHA-256 of every other file. It is written under a `.tmp` name, every
+file and the directory are fsynced, and only then is it renamed into place.
+
+A checkpoint counts only if its manifest verifies. A rename makes a crash during a save harmless, but
+not a disk that loses or truncates files later, or a copy cut short: `newest_usable` skips such a
+checkpoint with a warning naming it and falls back to the next older one, so a damaged newest
+checkpoint costs a few steps instead of a trainer that dies at every start.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -20,7 +29,10 @@ import torch
 
 from nano_miles.weights.named_tensors import load_safetensors_dir
 
+log = logging.getLogger("trainer")
+
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
 
 
@@ -28,14 +40,21 @@ KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
 class TrainerState:
     step: int = 0
     version: int = 0
-    cursor: int = 0                                             # one past the furthest group seen
+    cursor: int = 0                                             # one past the furthest group trained
     trained_by_step: dict[int, list[str]] = field(default_factory=dict)
     evals: list[list] = field(default_factory=list)             # [step, held-out accuracy, elapsed s]
-    elapsed_s: float = 0.0                                      # training wall time so far
+    run_id: str = ""                                            # the run these steps belong to
+    started_at: float = 0.0                                     # unix time the run started
+    num_trained_tokens: int = 0                                 # response tokens in the model (goodput)
+    num_generated_tokens: int = 0                               # the producer's count at its last reply
 
     @property
     def trained_ids(self) -> set[str]:
         return {g for ids in self.trained_by_step.values() for g in ids}
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint whose files do not match its manifest (or that has none)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -46,12 +65,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(directory: Path) -> None:
+    files = {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file()}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def verify(directory: Path, *, checksums: bool = True) -> None:
+    """Raise DamagedCheckpoint unless every file the manifest lists is there with its size (and hash)."""
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DamagedCheckpoint(f"{directory.name}: no readable {MANIFEST} ({e})") from None
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != expected["size"]:
+            size = path.stat().st_size if path.is_file() else "missing"
+            raise DamagedCheckpoint(f"{directory.name}: {name} is {size} bytes, the manifest says {expected['size']}")
+        if checksums and _sha256(path) != expected["sha256"]:
+            raise DamagedCheckpoint(f"{directory.name}: {name} does not match its SHA-256 in the manifest")
 
 
 def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
@@ -62,8 +99,14 @@ def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
     model.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "step": state.step, "version": state.version,
                 "cursor": state.cursor, "trained_by_step": state.trained_by_step, "evals": state.evals,
-                "elapsed_s": state.elapsed_s}, tmp / STATE_FILE)
-    _fsync_tree(tmp)
+                "run_id": state.run_id, "started_at": state.started_at,
+                "num_trained_tokens": state.num_trained_tokens,
+                "num_generated_tokens": state.num_generated_tokens}, tmp / STATE_FILE)
+    _write_manifest(tmp)  # last: its presence says every file before it was written whole
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
     if final.exists():  # the same step saved again after a restart: replace it whole
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -74,11 +117,31 @@ def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
+    """Checkpoint directories whose manifest lists files of the right sizes, oldest first (cheap:
+    the checksums are read only for the one that is loaded)."""
     if not root.exists():
         return []
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / STATE_FILE).exists())
+    found = []
+    for p in sorted(root.glob("step_*")):
+        if not p.is_dir() or p.name.endswith(".tmp"):
+            continue
+        try:
+            verify(p, checksums=False)
+            found.append(p)
+        except DamagedCheckpoint as e:
+            log.warning("skipping damaged checkpoint %s", e)
+    return found
+
+
+def load_newest(root: Path, model, optimizer) -> tuple[Path, TrainerState] | None:
+    """Load the newest checkpoint that verifies in full; damaged ones are skipped with a warning."""
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            verify(path)
+            return path, load_checkpoint(path, model, optimizer)
+        except (DamagedCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+    return None
 
 
 def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
@@ -88,4 +151,6 @@ def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
     optimizer.load_state_dict(saved["optimizer"])
     return TrainerState(step=saved["step"], version=saved["version"], cursor=saved["cursor"],
                         trained_by_step={int(k): list(v) for k, v in saved["trained_by_step"].items()},
-                        evals=[list(e) for e in saved["evals"]], elapsed_s=float(saved["elapsed_s"]))
+                        evals=[list(e) for e in saved["evals"]], run_id=saved["run_id"],
+                        started_at=float(saved["started_at"]), num_trained_tokens=saved["num_trained_tokens"],
+                        num_generated_tokens=saved["num_generated_tokens"])

@@ -26,8 +26,8 @@ from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
                                            step_phases, summarize)
 from nano_miles.run.config import Config
-from nano_miles.stages.trainer.checkpoint import (TrainerState, complete_checkpoints, load_checkpoint,
-                                                  save_checkpoint)
+from nano_miles.run.identity import ensure_run_identity
+from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, save_checkpoint
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.wire.codec import WireError, position_of
 from nano_miles.wire.control import RestoreState
@@ -48,17 +48,17 @@ class Trainer:
         self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
         self.max_staleness = cfg.run.effective_max_staleness
+        self.run_dir = cfg.run_dir
         self.state = TrainerState()
-        self.trained_ids: set[str] = set()
+        self.resume_from_checkpoint()
+        self.trained_ids: set[str] = self.state.trained_ids
         self.num_items = cfg.task.num_train  # group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
-        self.peers = Peers(cfg, ctx, self.durable_state,
+        self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.drops: dict[str, int] = {}
-        self.num_trained_tokens = 0        # response tokens trained (goodput's numerator)
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
-        self.run_dir = cfg.run_dir
         self.record = RunRecord(cfg)
 
     @property
@@ -67,9 +67,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        self.resume_from_checkpoint()
         self.connect()
-        self.started = time.perf_counter() - self.state.elapsed_s
         engine_busy_start = self.peers.engine_busy_s()
         if self.step == 0:
             self.state.evals.append(self.evaluate())
@@ -91,7 +89,7 @@ class Trainer:
                 record.eval_accuracy = self.state.evals[-1][1]
                 record.eval_s = time.perf_counter() - eval_started  # part of this step, not training
             record.step_s = time.perf_counter() - started
-            record.elapsed_s = self.state.elapsed_s = time.perf_counter() - self.started
+            record.elapsed_s = self.elapsed_s()
             record.phase_s = step_phases(record, self.received_times)
             self.received_times = []
             log.info(format_step_line(record.to_json(), self.cfg.trainer.num_steps))
@@ -106,12 +104,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ start and end
     def resume_from_checkpoint(self) -> None:
-        checkpoints = complete_checkpoints(self.run_dir / "checkpoints")
-        if checkpoints:
-            self.state = load_checkpoint(checkpoints[-1], self.model, self.optimizer)
-            log.warning("resumed from %s: step %d, %d groups trained", checkpoints[-1].name,
-                        self.step, len(self.state.trained_ids))
-        self.trained_ids = self.state.trained_ids
+        """The newest checkpoint that verifies, else a fresh start of the run (or of its first steps)."""
+        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.optimizer)
+        if loaded is not None:
+            path, self.state = loaded
+            log.warning("resumed from %s: step %d, %d groups trained", path.name, self.step,
+                        len(self.state.trained_ids))
+        else:
+            self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
+        log.info("run %s", self.state.run_id)
+
+    def elapsed_s(self) -> float:
+        """Wall time since the run started, time lost to restarts included."""
+        return time.time() - self.state.started_at
 
     def connect(self) -> None:
         """Handshake: engine healthy and serving our weights, producer restored and resumed."""
@@ -125,14 +130,15 @@ class Trainer:
     def durable_state(self) -> RestoreState:
         """What `restore` gives a (re)started producer: the checkpointed truth of this trainer."""
         return RestoreState(step=self.step, version=self.state.version,
-                            committed_group_ids=sorted(self.trained_ids), cursor=self.state.cursor)
+                            committed_group_ids=sorted(self.trained_ids), cursor=self.state.cursor,
+                            num_generated_tokens=self.state.num_generated_tokens)
 
     def finish(self, engine_busy_start: float | None) -> dict:
         status = self.peers.request("status")
         report = ledger_report(self.state, status.outstanding_group_ids, self.num_items, status.dropped_for_good)
         steps = self.record.steps(self.step)
         summary = summarize(steps, self.state.evals)
-        wall_s = time.perf_counter() - self.started
+        wall_s = self.elapsed_s()
         busy_end = self.peers.engine_busy_s()
         summary.update(wall_s=wall_s, ledger={k: v for k, v in report.items() if k.startswith("num_")},
                        engine_final_version=self.peers.with_engine(
@@ -174,13 +180,18 @@ class Trainer:
                 self.count_drop("malformed")
                 log.warning("dropped a malformed message: %s", e)
                 continue
-            self.metrics.received(scored)
             group = scored.group
+            if group.run_id != self.state.run_id:  # a leftover stage of another run: not ours to count
+                self.count_drop("foreign_run")
+                log.warning("dropped group %s of run %s (this run is %s)", group.group_id, group.run_id,
+                            self.state.run_id)
+                continue
+            # Nothing a peer sends changes durable state (the cursor) before it is trained.
+            self.metrics.received(scored)
             stamps = group.timestamps
             self.received_times.append((stamps.get("issued", 0.0), stamps.get("generated", 0.0), time.time()))
             newest = max(int(s.versions[-1]) for s in group.samples)
             staleness = (self.step - 1) - group.oldest_version
-            self.state.cursor = max(self.state.cursor, position_of(group.group_id, self.num_items) + 1)
             if group.group_id in self.trained_ids or group.group_id in batch_ids:
                 self.count_drop("duplicate")  # trained already: nothing to re-issue
             elif newest > self.step - 1:
@@ -220,7 +231,8 @@ class Trainer:
         ids = [sg.group.group_id for sg in groups]
         self.state.trained_by_step[self.step] = ids
         self.trained_ids.update(ids)
-        self.num_trained_tokens += out.num_tokens
+        self.state.cursor = max([self.state.cursor] + [position_of(g, self.num_items) + 1 for g in ids])
+        self.state.num_trained_tokens += out.num_tokens
         stats = StepStats.from_groups(groups, self.step, out, float(grad_norm))
         if is_weights is not None:
             w = is_weights[batch.loss_mask]
@@ -232,7 +244,7 @@ class Trainer:
         """[step, held-out greedy accuracy, seconds since training started]."""
         accuracy = self.peers.with_engine("evaluation", lambda: self.evaluator(self.peers.engine))
         log.info("held-out accuracy at step %d: %.1f%%", self.step, 100 * accuracy)
-        return [self.step, accuracy, time.perf_counter() - self.started]
+        return [self.step, accuracy, self.elapsed_s()]
 
     def final_parity(self) -> float:
         """max |log p| gap between the engine's prefill scores and this model on one probe sample:
@@ -252,11 +264,11 @@ class Trainer:
         Queue depth = groups the producer has sent downstream that are neither trained nor dropped
         yet (in reward or in the trainer's buffers); it survives restarts of either side."""
         p = self.peers.producer  # set since `connect`: every control reply carries it
-        generated = p.num_generated_tokens
+        generated = self.state.num_generated_tokens = p.num_generated_tokens
         return StepRecord(step=self.step, version=self.state.version, stats=stats, wait_s=wait_s,
                           update_split_ms=self.peers.update_split_ms,
                           queue_depth=p.num_outstanding - p.num_inflight,
-                          goodput=self.num_trained_tokens / generated if generated else None,
+                          goodput=self.state.num_trained_tokens / generated if generated else None,
                           num_resumed_samples=p.num_resumed_samples,
                           group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
 
