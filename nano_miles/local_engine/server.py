@@ -17,7 +17,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from nano_miles.local_engine import ENGINE_VERSION
-from nano_miles.local_engine.protocol import generate_response, parse_generate
+from nano_miles.local_engine.protocol import generate_response, parse_generate, parse_json_body
 from nano_miles.local_engine.sampling import SamplingParams
 from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped
 from nano_miles.local_engine.weight_group import WeightGroups
@@ -69,6 +69,7 @@ class EngineHandler(BaseHTTPRequestHandler):
     # holds the body back ~40 ms on every call.
     disable_nagle_algorithm = True
     server: EngineHTTPServer
+    body: dict  # the request's JSON object, `{}` when it has no body
 
     # ---- plumbing ----
     def log_message(self, format, *args):  # one line per request only at debug level
@@ -94,48 +95,29 @@ class EngineHandler(BaseHTTPRequestHandler):
             self._json(status, {"object": "error", "message": message, "type": HTTPStatus(status).phrase,
                                 "param": None, "code": status})
 
-    def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length > 0 else b""
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"invalid JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise ValueError("the request body must be a JSON object")
-        return body
-
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        """Every request passes here: the body is read and parsed in this one place, then routed."""
         self._route_path = urlsplit(self.path).path
-        handler = ROUTES.get((method, self._route_path))
+        # read also for an unknown route, so that a keep-alive connection stays usable
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        handler = ROUTES.get((self.command, self._route_path))
         if handler is None:
-            # drain the body so a keep-alive connection stays usable
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
             self._json(404, {"detail": "Not Found"})
             return
         try:
+            self.body = parse_json_body(raw)
             handler(self)
         except ValueError as e:  # validation: the client's fault
             self._error(400, str(e))
         except (SchedulerStopped, TimeoutError) as e:
             self._error(503, str(e))
 
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-    def do_PUT(self):
-        self._dispatch("PUT")
+    do_GET = do_POST = do_PUT = _dispatch
 
     # ---- routes ----
     def generate(self):
         state = self.server.state
-        body = self._body()
-        reqs, is_batch = parse_generate(body, state.vocab_size, state.context_len)
+        reqs, is_batch = parse_generate(self.body, state.vocab_size, state.context_len)
         state.scheduler.submit(reqs)
         try:
             for r in reqs:
@@ -181,12 +163,11 @@ class EngineHandler(BaseHTTPRequestHandler):
         self._send(200, self.server.state.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
 
     def flush_cache(self):
-        self._body()
         # no prefix cache to flush: every request prefills from scratch
         self._send(200, b"Cache flushed.\n", "text/plain")
 
     def pause_generation(self):
-        mode = self._body().get("mode", "abort")
+        mode = self.body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         scheduler = self.server.state.scheduler
@@ -199,51 +180,47 @@ class EngineHandler(BaseHTTPRequestHandler):
         self._json(200, {"message": "Generation paused successfully.", "status": "ok"})
 
     def continue_generation(self):
-        self._body()
         scheduler = self.server.state.scheduler
         scheduler.run_in_loop(scheduler.resume, CONTROL_TIMEOUT_S)
         log.info("generation continued")
         self._json(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def update_weights_from_tensor(self):
-        body = self._body()
-        serialized = body.get("serialized_named_tensors")
-        load_format = body.get("load_format")
+        serialized = self.body.get("serialized_named_tensors")
+        load_format = self.body.get("load_format")
         if not isinstance(serialized, list) or not serialized or not all(isinstance(s, str) for s in serialized):
             raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
         if not (load_format is None or isinstance(load_format, str)):
             raise ValueError("load_format must be a string or null")
-        self._update_weights(body, lambda model: apply_weight_update(model, serialized, load_format))
+        self._update_weights(lambda model: apply_weight_update(model, serialized, load_format))
 
     def update_weights_from_disk(self):
-        body = self._body()
-        model_path = body.get("model_path")
+        model_path = self.body.get("model_path")
         if not isinstance(model_path, str) or not model_path:
             raise ValueError("model_path must be a non-empty string")
-        self._update_weights(body, lambda model: load_safetensors_dir(model, model_path),
+        self._update_weights(lambda model: load_safetensors_dir(model, model_path),
                              extra={"num_paused_requests": 0})
 
     def init_weights_update_group(self):
-        self.server.state.weight_groups.init(self._body())  # blocks until every rank joined
+        self.server.state.weight_groups.init(self.body)  # blocks until every rank joined
         self._json(200, {"success": True, "message": "Succeeded to initialize custom process group."})
 
     def destroy_weights_update_group(self):
-        self.server.state.weight_groups.destroy(self._body())
+        self.server.state.weight_groups.destroy(self.body)
         self._json(200, {"success": True, "message": "Succeeded to destroy custom process group."})
 
     def update_weights_from_distributed(self):
-        body = self._body()
         try:
-            named = self.server.state.weight_groups.receive(body)  # on this thread: generation goes on
+            named = self.server.state.weight_groups.receive(self.body)  # on this thread: generation goes on
         except WeightTransportError as e:
             log.warning("weight broadcast failed: %s", e)
             self._json(400, {"success": False, "message": f"Failed to receive weights: {e}"})
             return
-        self._update_weights(body, lambda model: copy_into_model(model, named))
+        self._update_weights(lambda model: copy_into_model(model, named))
 
-    def _update_weights(self, body: dict, load: Callable, extra: dict | None = None) -> None:
+    def _update_weights(self, load: Callable, extra: dict | None = None) -> None:
         """Run `load(model)` on the scheduler thread between two forwards; set weight_version."""
-        version = body.get("weight_version")
+        version = self.body.get("weight_version")
         if not (version is None or isinstance(version, str)):
             raise ValueError("weight_version must be a string or null")
         scheduler = self.server.state.scheduler

@@ -1,0 +1,67 @@
+"""Local engine HTTP layer against hostile or broken clients: a real engine process, raw sockets.
+Run: pytest tests/test_engine_http.py
+"""
+
+import http.client
+import json
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+
+from conftest import start_engine, stop_process
+from nano_miles.engine.client import EngineClient
+
+
+@pytest.fixture(scope="module")
+def engine(policy_dir, tmp_path_factory):
+    """(base URL, log file) of a real local engine serving the small policy; stopped after the module."""
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    proc, url = start_engine(policy_dir, log_path)
+    yield url, log_path
+    stop_process(proc)
+
+
+def connect(url: str, timeout_s: float = 10) -> socket.socket:
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
+
+
+def request(method: str, path: str, body: bytes = b"", headers: str | None = None) -> bytes:
+    """Raw request bytes; `headers` replaces the default Content-Length line."""
+    headers = f"Content-Length: {len(body)}\r\n" if headers is None else headers
+    return f"{method} {path} HTTP/1.1\r\nHost: engine\r\n{headers}\r\n".encode() + body
+
+
+def exchange(url: str, raw: bytes, timeout_s: float = 10) -> tuple[int, http.client.HTTPMessage, bytes]:
+    """Send raw bytes on a new connection and read one response: (status, headers, body)."""
+    with connect(url, timeout_s) as sock:
+        sock.sendall(raw)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, response.headers, response.read()
+
+
+def error_message(path: str, body: bytes) -> str:
+    """The message of either error envelope: /generate's, or the OpenAI-style one of the other routes."""
+    reply = json.loads(body)
+    return reply["error"]["message"] if path == "/generate" else reply["message"]
+
+
+def still_serves(url: str) -> bool:
+    out = EngineClient(url, timeout_s=30).generate([1, 2], {"max_new_tokens": 1})
+    return out["meta_info"]["finish_reason"] is not None
+
+
+@pytest.mark.parametrize("path", ["/generate", "/update_weights_from_tensor"])
+def test_deeply_nested_json_gets_400_in_the_routes_envelope(engine, path):
+    url, _ = engine
+    status, _, body = exchange(url, request("POST", path, b"[" * 100_000))
+    assert status == 400 and "nested too deeply" in error_message(path, body)
+    assert still_serves(url)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_unknown_route_is_still_404(engine, method):
+    status, _, body = exchange(engine[0], request(method, "/no_such_route", b"{}"))
+    assert status == 404 and json.loads(body) == {"detail": "Not Found"}
