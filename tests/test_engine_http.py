@@ -61,6 +61,17 @@ def test_deeply_nested_json_gets_400_in_the_routes_envelope(engine, path):
     assert still_serves(url)
 
 
+@pytest.mark.parametrize("length", [1 << 30, 10**15])
+def test_body_over_the_limit_gets_413_without_being_read(engine, length):
+    url, _ = engine
+    for path in ("/generate", "/update_weights_from_tensor"):
+        # headers only: an answer at all shows the engine did not wait for the body
+        status, headers, body = exchange(url, request("POST", path, headers=f"Content-Length: {length}\r\n"))
+        assert status == 413 and headers["Connection"] == "close"
+        assert "limit" in error_message(path, body)
+    assert still_serves(url)
+
+
 @pytest.mark.parametrize("method", ["GET", "POST"])
 def test_unknown_route_is_still_404(engine, method):
     status, _, body = exchange(engine[0], request(method, "/no_such_route", b"{}"))

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 300.0  # a control command waits at most this long for a step boundary
 PAUSE_ABORT_TIMEOUT_S = 30.0  # pause(abort) waits this long for aborted requests to be answered
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # same budget as SGLang's health check
+# The largest legitimate body is a /generate batch: a full decode batch (--max-running-requests, 256
+# by default) of 32k-token prompts at up to 8 bytes a token id in JSON ("151935, ") is 64 MiB. Weight
+# updates carry handles, never tensor data (~220 bytes a tensor), or names and shapes.
+MAX_BODY_BYTES = 64 << 20
 
 
 @dataclass
@@ -51,6 +55,14 @@ class EngineState:
 
     def __post_init__(self):
         self.weight_groups = self.weight_groups or WeightGroups(self.device)
+
+
+class RequestRefused(Exception):
+    """A request refused on its framing, before its body is read; `status` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class EngineHTTPServer(ThreadingHTTPServer):
@@ -75,31 +87,45 @@ class EngineHandler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # one line per request only at debug level
         log.debug("%s " + format, self.address_string(), *args)
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
         try:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
             self.end_headers()
             self.wfile.write(body)
         except (BrokenPipeError, ConnectionResetError):
             log.info("client of %s went away before the response", self.path)
 
-    def _json(self, status: int, obj) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    def _json(self, status: int, obj, headers: dict | None = None) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _error(self, status: int, message: str) -> None:
+    def _error(self, status: int, message: str, headers: dict | None = None) -> None:
         if self._route_path == "/generate":
-            self._json(status, {"error": {"message": message}})
+            self._json(status, {"error": {"message": message}}, headers)
         else:
             self._json(status, {"object": "error", "message": message, "type": HTTPStatus(status).phrase,
-                                "param": None, "code": status})
+                                "param": None, "code": status}, headers)
+
+    def _read_body(self) -> bytes:
+        """The raw body, read only once its framing is sane; RequestRefused if it is not."""
+        length = self.headers.get("Content-Length", "0")
+        if not (length.isascii() and length.isdigit()):
+            raise RequestRefused(400, f"invalid Content-Length {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            raise RequestRefused(413, f"a body of {int(length)} bytes is over the limit of {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(int(length))
 
     def _dispatch(self) -> None:
         """Every request passes here: the body is read and parsed in this one place, then routed."""
         self._route_path = urlsplit(self.path).path
-        # read also for an unknown route, so that a keep-alive connection stays usable
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:  # read also for an unknown route, so that a keep-alive connection stays usable
+            raw = self._read_body()
+        except RequestRefused as e:  # the body stays unread: the connection cannot carry another request
+            self._error(e.status, str(e), {"Connection": "close"})
+            return
         handler = ROUTES.get((self.command, self._route_path))
         if handler is None:
             self._json(404, {"detail": "Not Found"})
