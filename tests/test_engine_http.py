@@ -76,3 +76,18 @@ def test_body_over_the_limit_gets_413_without_being_read(engine, length):
 def test_unknown_route_is_still_404(engine, method):
     status, _, body = exchange(engine[0], request(method, "/no_such_route", b"{}"))
     assert status == 404 and json.loads(body) == {"detail": "Not Found"}
+
+
+def chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+
+
+@pytest.mark.parametrize("path", ["/generate", "/pause_generation"])
+def test_chunked_body_or_no_content_length_gets_411(engine, path):
+    url, _ = engine
+    body = chunked(b'{"input_ids": [1, 2]}' if path == "/generate" else b'{"mode": "abort"}')
+    status, _, reply = exchange(url, request("POST", path, body, headers="Transfer-Encoding: chunked\r\n"))
+    assert status == 411 and "chunked" in error_message(path, reply)
+    status, _, reply = exchange(url, request("POST", path, headers=""))
+    assert status == 411 and "Content-Length" in error_message(path, reply)
+    assert still_serves(url)

@@ -111,7 +111,13 @@ class EngineHandler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         """The raw body, read only once its framing is sane; RequestRefused if it is not."""
-        length = self.headers.get("Content-Length", "0")
+        if "Transfer-Encoding" in self.headers:  # http.server does not decode chunked bodies
+            raise RequestRefused(411, "chunked request bodies are not supported: send a Content-Length")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            if self.command in ("POST", "PUT"):
+                raise RequestRefused(411, f"{self.command} needs a Content-Length header (send {{}} for no body)")
+            return b""
         if not (length.isascii() and length.isdigit()):
             raise RequestRefused(400, f"invalid Content-Length {length!r}")
         if int(length) > MAX_BODY_BYTES:
