@@ -72,6 +72,15 @@ def test_body_over_the_limit_gets_413_without_being_read(engine, length):
     assert still_serves(url)
 
 
+@pytest.mark.parametrize("method,path,allow", [("GET", "/generate", "POST, PUT"), ("POST", "/health", "GET"),
+                                               ("DELETE", "/flush_cache", "GET, POST")])
+def test_known_route_with_another_method_gets_405_and_allow(engine, method, path, allow):
+    url, _ = engine
+    status, headers, body = exchange(url, request(method, path))
+    assert status == 405 and headers["Allow"] == allow
+    assert json.loads(body) == {"detail": "Method Not Allowed"}
+
+
 @pytest.mark.parametrize("method", ["GET", "POST"])
 def test_unknown_route_is_still_404(engine, method):
     status, _, body = exchange(engine[0], request(method, "/no_such_route", b"{}"))

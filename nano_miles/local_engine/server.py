@@ -133,8 +133,12 @@ class EngineHandler(BaseHTTPRequestHandler):
             self._error(e.status, str(e), {"Connection": "close"})
             return
         handler = ROUTES.get((self.command, self._route_path))
-        if handler is None:
-            self._json(404, {"detail": "Not Found"})
+        if handler is None:  # FastAPI's answers, as SGLang gives them
+            allowed = sorted(method for method, path in ROUTES if path == self._route_path)
+            if allowed:
+                self._json(405, {"detail": "Method Not Allowed"}, {"Allow": ", ".join(allowed)})
+            else:
+                self._json(404, {"detail": "Not Found"})
             return
         try:
             self.body = parse_json_body(raw)
@@ -144,7 +148,8 @@ class EngineHandler(BaseHTTPRequestHandler):
         except (SchedulerStopped, TimeoutError) as e:
             self._error(503, str(e))
 
-    do_GET = do_POST = do_PUT = _dispatch
+    # DELETE and PATCH too: a known route called with them gets 405, not http.server's 501
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
 
     # ---- routes ----
     def generate(self):
