@@ -5,12 +5,14 @@ Run: pytest tests/test_engine_http.py
 import http.client
 import json
 import socket
+import time
 from urllib.parse import urlsplit
 
 import pytest
 
 from conftest import start_engine, stop_process
 from nano_miles.engine.client import EngineClient
+from nano_miles.local_engine.server import SOCKET_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,24 @@ def test_body_over_the_limit_gets_413_without_being_read(engine, length):
         assert status == 413 and headers["Connection"] == "close"
         assert "limit" in error_message(path, body)
     assert still_serves(url)
+
+
+def test_client_that_stalls_after_its_headers_is_disconnected(engine):
+    url, _ = engine
+    with connect(url, timeout_s=30) as sock:
+        sock.sendall(request("POST", "/generate", headers="Content-Length: 100\r\n"))
+        start_s = time.monotonic()
+        assert sock.recv(1) == b""  # the engine closed it; our own timeout would raise instead
+        assert time.monotonic() - start_s < 20
+    assert still_serves(url)
+
+
+def test_keep_alive_connection_closed_when_idle_is_reopened_by_the_client(engine):
+    url, _ = engine
+    client = EngineClient(url, timeout_s=30)
+    assert client.server_info()["version"]
+    time.sleep(SOCKET_TIMEOUT_S + 1)  # the engine closes the connection the client keeps
+    assert client.server_info()["version"]
 
 
 @pytest.mark.parametrize("method,path,allow", [("GET", "/generate", "POST, PUT"), ("POST", "/health", "GET"),

@@ -36,6 +36,11 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0  # same budget as SGLang's health check
 # by default) of 32k-token prompts at up to 8 bytes a token id in JSON ("151935, ") is 64 MiB. Weight
 # updates carry handles, never tensor data (~220 bytes a tensor), or names and shapes.
 MAX_BODY_BYTES = 64 << 20
+# Each read or write on a connection gives up after this long, so a client that sends its headers and
+# stalls holds a handler thread for seconds, not forever. No live client on this host or the LAN pauses
+# that long inside a request. It also closes a keep-alive connection idle that long, as uvicorn under
+# SGLang does (its default is 5 s); EngineClient then reopens it.
+SOCKET_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -80,6 +85,7 @@ class EngineHandler(BaseHTTPRequestHandler):
     # Headers and body leave in two writes; with Nagle on, a keep-alive client's delayed ACK
     # holds the body back ~40 ms on every call.
     disable_nagle_algorithm = True
+    timeout = SOCKET_TIMEOUT_S  # set on the socket; a timeout ends the connection (http.server logs it at debug)
     server: EngineHTTPServer
     body: dict  # the request's JSON object, `{}` when it has no body
 
