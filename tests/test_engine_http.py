@@ -5,6 +5,7 @@ Run: pytest tests/test_engine_http.py
 import http.client
 import json
 import socket
+import struct
 import time
 from urllib.parse import urlsplit
 
@@ -48,6 +49,12 @@ def error_message(path: str, body: bytes) -> str:
     """The message of either error envelope: /generate's, or the OpenAI-style one of the other routes."""
     reply = json.loads(body)
     return reply["error"]["message"] if path == "/generate" else reply["message"]
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a TCP reset, as a killed client does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 def still_serves(url: str) -> bool:
@@ -119,4 +126,32 @@ def test_chunked_body_or_no_content_length_gets_411(engine, path):
     assert status == 411 and "chunked" in error_message(path, reply)
     status, _, reply = exchange(url, request("POST", path, headers=""))
     assert status == 411 and "Content-Length" in error_message(path, reply)
+    assert still_serves(url)
+
+
+def test_client_hanging_up_mid_request_or_response_logs_one_line_not_a_traceback(engine):
+    url, log_path = engine
+    client = EngineClient(url, timeout_s=30)
+    start = log_path.stat().st_size
+    # mid-request: half of the body, then a reset while the engine reads the rest
+    sock = connect(url)
+    sock.sendall(request("POST", "/generate", b'{"input_ids": [1, 2', headers="Content-Length: 40\r\n"))
+    time.sleep(0.3)
+    reset(sock)
+    # mid-response: the request waits behind a pause, its client resets, then the answer is written
+    client.pause("in_place")
+    sock = connect(url)
+    sock.sendall(request("POST", "/generate", json.dumps({"input_ids": [1, 2]}).encode()))
+    time.sleep(0.3)
+    reset(sock)
+    client.resume()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        new = log_path.read_bytes()[start:].decode()
+        if new.count("went away") >= 2 or "Traceback" in new:
+            break
+        time.sleep(0.1)
+    assert "Traceback" not in new
+    lines = [line for line in new.splitlines() if "generation paused" not in line and "continued" not in line]
+    assert len(lines) == 2 and all("went away" in line for line in lines), new
     assert still_serves(url)

@@ -8,6 +8,7 @@ error envelope for bad control requests, `{"success": false, ...}` 400 for a fai
 
 import json
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -79,6 +80,15 @@ class EngineHTTPServer(ThreadingHTTPServer):
         self.state = state
         super().__init__((state.host, state.port), EngineHandler)
 
+    def handle_error(self, request, client_address) -> None:
+        """Every exception a handler lets out lands here: a client that hung up mid-request or
+        mid-response is one line, anything else keeps socketserver's traceback."""
+        error = sys.exception()
+        if isinstance(error, ConnectionError):  # reset, broken pipe, aborted
+            log.info("client %s went away: %s", client_address[0], error)
+        else:
+            super().handle_error(request, client_address)
+
 
 class EngineHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -94,16 +104,13 @@ class EngineHandler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("client of %s went away before the response", self.path)
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
 
     def _json(self, status: int, obj, headers: dict | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
