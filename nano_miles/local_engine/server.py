@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from nano_miles.local_engine import ENGINE_VERSION
 from nano_miles.local_engine.protocol import generate_response, parse_generate, parse_json_body
 from nano_miles.local_engine.sampling import SamplingParams
-from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped
+from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped, StepBoundaryTimeout
 from nano_miles.local_engine.weight_group import WeightGroups
 from nano_miles.observe.metrics import EngineMetrics
 from nano_miles.weights.broadcast_group import WeightTransportError
@@ -158,7 +158,7 @@ class EngineHandler(BaseHTTPRequestHandler):
             handler(self)
         except ValueError as e:  # validation: the client's fault
             self._error(400, str(e))
-        except (SchedulerStopped, TimeoutError) as e:
+        except (SchedulerStopped, StepBoundaryTimeout) as e:  # not a socket timeout: http.server ends that connection
             self._error(503, str(e))
 
     # DELETE and PATCH too: a known route called with them gets 405, not http.server's 501
