@@ -3,7 +3,10 @@ Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--po
 
 Handler threads parse and validate; the scheduler thread owns the model. Status codes follow
 docs/sglang-contract.md §1: 400 `{"error": {"message"}}` for a bad /generate, the OpenAI-style
-error envelope for bad control requests, `{"success": false, ...}` 400 for a failed weight update.
+error envelope for bad control requests, `{"success": false, ...}` 400 for a failed weight update,
+404 and 405 as FastAPI answers them. Every request's body is read and parsed in `_dispatch`; a body
+it will not read (chunked or without Content-Length: 411; over MAX_BODY_BYTES: 413) is refused in
+the route's envelope and ends the connection.
 """
 
 import json
