@@ -22,7 +22,7 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"invalid JSON body: {e}") from None
-    except RecursionError:  # the decoder recurses once per level; a real body nests 4 levels deep
+    except RecursionError:  # the decoder recurses once per level; real bodies nest three levels deep
         raise ValueError("invalid JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
