@@ -11,6 +11,8 @@ except where SGLang's behaviour would hurt a training loop or needs machinery th
 * Bad input is always a 400, never a 500: an unknown `sampling_params` key (SGLang: 500), fields that
   need a tokenizer or streaming (`text`, `stream`, `top_logprobs_num`, ...). SGLang keys we do not
   implement (`min_p`, `n`, penalties, `min_new_tokens`) are accepted only at their neutral value.
+* Stricter HTTP framing than uvicorn's: a body needs a Content-Length (chunked or none: 411) and at
+  most 64 MiB (413, left unread); a connection silent for 5 s mid-request is closed.
 * No prefix cache: `cached_tokens` is 0 and `/flush_cache` always succeeds, even while requests wait.
 * Prefill-only requests (`max_new_tokens: 0`) return `output_token_logprobs: []`, without SGLang's
   spurious entry for the dummy token.

@@ -5,17 +5,43 @@ Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--po
 
 import argparse
 import ipaddress
+import json
 import logging
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger("engine")
+PROG = "python -m nano_miles.local_engine"
+
+
+def fail(message: str) -> NoReturn:
+    """A user mistake: one line on stderr and exit 2, as argparse does, without its usage block."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_model_dir(path: str) -> str | None:
+    """What keeps `path` from being a model directory, or None. Checked before transformers loads it,
+    which would take a missing directory for a hub repo id and fail with a traceback about that."""
+    config_path = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        return f"--model-path {path}: no such directory"
+    if not config_path.is_file():
+        return f"--model-path {path}: no config.json, not a Hugging Face model directory"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{config_path}: not readable as JSON ({e})"
+    if not isinstance(config, dict) or not config.get("model_type"):
+        return f"{config_path} has no model_type"
+    return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--model-path", required=True, help="local Hugging Face causal-LM directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback logs a warning)")
     p.add_argument("--port", type=int, default=30000)
@@ -28,7 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "OpenMP threads on shared cores spin against each other; torch's default on cuda)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    assert args.max_running_requests >= 1, "--max-running-requests must be >= 1"
+    if args.max_running_requests < 1:
+        fail(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+    problem = check_model_dir(args.model_path)
+    if problem:
+        fail(problem)
     return args
 
 
@@ -50,13 +80,22 @@ def main(argv=None) -> int:
     from nano_miles.local_engine.server import EngineHTTPServer, EngineState
     from nano_miles.observe.metrics import EngineMetrics
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but torch sees no CUDA device")
     num_threads = args.num_threads or (1 if args.device == "cpu" else None)
     if num_threads:
         torch.set_num_threads(num_threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(args.device).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+    except Exception as e:
+        # Whatever fails here is about the user's directory (weights missing or corrupt, a config that
+        # transformers rejects): one line names it; --log-level DEBUG shows the traceback.
+        log.debug("loading %s failed", args.model_path, exc_info=True)
+        fail(f"cannot load {args.model_path}: {type(e).__name__}: {' '.join(str(e).split())}")
+    model = model.to(args.device).eval()
     config = model.config.get_text_config(decoder=True)
     eos = config.eos_token_id if config.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -1,7 +1,9 @@
-"""Request validation and response shapes of `POST /generate` (docs/sglang-contract.md §2).
-Used by `server.py`; every ValueError raised here becomes an HTTP 400 `{"error": {"message": ...}}`.
+"""Request parsing: the JSON body of every route; validation and response shapes of `POST /generate`
+(docs/sglang-contract.md §2). Used by `server.py`; every ValueError raised here becomes an HTTP 400
+in the route's error envelope (`{"error": {"message": ...}}` for /generate).
 """
 
+import json
 import uuid
 
 from nano_miles.local_engine.sampling import parse_sampling_params
@@ -10,6 +12,21 @@ from nano_miles.local_engine.scheduler import Request
 # GenerateReqInput fields that need a tokenizer or features this engine does not have: 400, never ignored.
 UNSUPPORTED_FIELDS = {"text": None, "input_embeds": None, "stream": False, "top_logprobs_num": 0,
                       "token_ids_logprob": None, "return_hidden_states": False, "lora_path": None}
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """A request body as a JSON object; an empty body is `{}`."""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"invalid JSON body: {e}") from None
+    except RecursionError:  # the decoder recurses once per level; real bodies nest three levels deep
+        raise ValueError("invalid JSON body: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return body
 
 
 def _per_item(body: dict, key: str, default, num_items: int, is_batch: bool) -> list:

@@ -30,6 +30,11 @@ class SchedulerStopped(RuntimeError):
     """The scheduler thread is not running (shut down or crashed)."""
 
 
+class StepBoundaryTimeout(TimeoutError):
+    """A control command found no step boundary in time; its own type, so the HTTP layer tells it
+    from a socket timeout."""
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -138,7 +143,7 @@ class Scheduler:
             if not self.is_alive:
                 raise SchedulerStopped("the engine's scheduler stopped")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the scheduler did not reach a step boundary within {timeout_s}s")
+                raise StepBoundaryTimeout(f"the scheduler did not reach a step boundary within {timeout_s}s")
         if control.error is not None:
             raise control.error
         return control.result

@@ -3,11 +3,15 @@ Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--po
 
 Handler threads parse and validate; the scheduler thread owns the model. Status codes follow
 docs/sglang-contract.md §1: 400 `{"error": {"message"}}` for a bad /generate, the OpenAI-style
-error envelope for bad control requests, `{"success": false, ...}` 400 for a failed weight update.
+error envelope for bad control requests, `{"success": false, ...}` 400 for a failed weight update,
+404 and 405 as FastAPI answers them. Every request's body is read and parsed in `_dispatch`; a body
+it will not read (chunked or without Content-Length: 411; over MAX_BODY_BYTES: 413) is refused in
+the route's envelope and ends the connection.
 """
 
 import json
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,9 +21,9 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from nano_miles.local_engine import ENGINE_VERSION
-from nano_miles.local_engine.protocol import generate_response, parse_generate
+from nano_miles.local_engine.protocol import generate_response, parse_generate, parse_json_body
 from nano_miles.local_engine.sampling import SamplingParams
-from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped
+from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopped, StepBoundaryTimeout
 from nano_miles.local_engine.weight_group import WeightGroups
 from nano_miles.observe.metrics import EngineMetrics
 from nano_miles.weights.broadcast_group import WeightTransportError
@@ -32,6 +36,15 @@ log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 300.0  # a control command waits at most this long for a step boundary
 PAUSE_ABORT_TIMEOUT_S = 30.0  # pause(abort) waits this long for aborted requests to be answered
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # same budget as SGLang's health check
+# The largest legitimate body is a /generate batch: a full decode batch (--max-running-requests, 256
+# by default) of 32k-token prompts at up to 8 bytes a token id in JSON ("151935, ") is 64 MiB. Weight
+# updates carry handles, never tensor data (~220 bytes a tensor), or names and shapes.
+MAX_BODY_BYTES = 64 << 20
+# Each read or write on a connection gives up after this long, so a client that sends its headers and
+# stalls holds a handler thread for seconds, not forever. No live client on this host or the LAN pauses
+# that long inside a request. It also closes a keep-alive connection idle that long, as uvicorn under
+# SGLang does (its default is 5 s); EngineClient then reopens it.
+SOCKET_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -53,6 +66,14 @@ class EngineState:
         self.weight_groups = self.weight_groups or WeightGroups(self.device)
 
 
+class RequestRefused(Exception):
+    """A request refused on its framing, before its body is read; `status` is the HTTP answer."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 class EngineHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client connection must not block shutdown
     allow_reuse_address = True
@@ -62,80 +83,94 @@ class EngineHTTPServer(ThreadingHTTPServer):
         self.state = state
         super().__init__((state.host, state.port), EngineHandler)
 
+    def handle_error(self, request, client_address) -> None:
+        """Every exception a handler lets out lands here: a client that hung up mid-request or
+        mid-response is one line, anything else keeps socketserver's traceback."""
+        error = sys.exception()
+        if isinstance(error, ConnectionError):  # reset, broken pipe, aborted
+            log.info("client %s went away: %s", client_address[0], error)
+        else:
+            super().handle_error(request, client_address)
+
 
 class EngineHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     # Headers and body leave in two writes; with Nagle on, a keep-alive client's delayed ACK
     # holds the body back ~40 ms on every call.
     disable_nagle_algorithm = True
+    timeout = SOCKET_TIMEOUT_S  # set on the socket; a timeout ends the connection (http.server logs it at debug)
     server: EngineHTTPServer
+    body: dict  # the request's JSON object, `{}` when it has no body
 
     # ---- plumbing ----
     def log_message(self, format, *args):  # one line per request only at debug level
         log.debug("%s " + format, self.address_string(), *args)
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("client of %s went away before the response", self.path)
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
 
-    def _json(self, status: int, obj) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    def _json(self, status: int, obj, headers: dict | None = None) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def _error(self, status: int, message: str) -> None:
+    def _error(self, status: int, message: str, headers: dict | None = None) -> None:
         if self._route_path == "/generate":
-            self._json(status, {"error": {"message": message}})
+            self._json(status, {"error": {"message": message}}, headers)
         else:
             self._json(status, {"object": "error", "message": message, "type": HTTPStatus(status).phrase,
-                                "param": None, "code": status})
+                                "param": None, "code": status}, headers)
 
-    def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length > 0 else b""
-        if not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"invalid JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise ValueError("the request body must be a JSON object")
-        return body
+    def _read_body(self) -> bytes:
+        """The raw body, read only once its framing is sane; RequestRefused if it is not."""
+        if "Transfer-Encoding" in self.headers:  # http.server does not decode chunked bodies
+            raise RequestRefused(411, "chunked request bodies are not supported: send a Content-Length")
+        length = self.headers.get("Content-Length")
+        if length is None:
+            if self.command in ("POST", "PUT"):
+                raise RequestRefused(411, f"{self.command} needs a Content-Length header (send {{}} for no body)")
+            return b""
+        if not (length.isascii() and length.isdigit()):
+            raise RequestRefused(400, f"invalid Content-Length {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            raise RequestRefused(413, f"a body of {int(length)} bytes is over the limit of {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(int(length))
 
-    def _dispatch(self, method: str) -> None:
+    def _dispatch(self) -> None:
+        """Every request passes here: the body is read and parsed in this one place, then routed."""
         self._route_path = urlsplit(self.path).path
-        handler = ROUTES.get((method, self._route_path))
-        if handler is None:
-            # drain the body so a keep-alive connection stays usable
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._json(404, {"detail": "Not Found"})
+        try:  # read also for an unknown route, so that a keep-alive connection stays usable
+            raw = self._read_body()
+        except RequestRefused as e:  # the body stays unread: the connection cannot carry another request
+            self._error(e.status, str(e), {"Connection": "close"})
+            return
+        handler = ROUTES.get((self.command, self._route_path))
+        if handler is None:  # FastAPI's answers, as SGLang gives them
+            allowed = sorted(method for method, path in ROUTES if path == self._route_path)
+            if allowed:
+                self._json(405, {"detail": "Method Not Allowed"}, {"Allow": ", ".join(allowed)})
+            else:
+                self._json(404, {"detail": "Not Found"})
             return
         try:
+            self.body = parse_json_body(raw)
             handler(self)
         except ValueError as e:  # validation: the client's fault
             self._error(400, str(e))
-        except (SchedulerStopped, TimeoutError) as e:
+        except (SchedulerStopped, StepBoundaryTimeout) as e:  # not a socket timeout: http.server ends that connection
             self._error(503, str(e))
 
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-    def do_PUT(self):
-        self._dispatch("PUT")
+    # DELETE and PATCH too: a known route called with them gets 405, not http.server's 501
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
 
     # ---- routes ----
     def generate(self):
         state = self.server.state
-        body = self._body()
-        reqs, is_batch = parse_generate(body, state.vocab_size, state.context_len)
+        reqs, is_batch = parse_generate(self.body, state.vocab_size, state.context_len)
         state.scheduler.submit(reqs)
         try:
             for r in reqs:
@@ -181,12 +216,11 @@ class EngineHandler(BaseHTTPRequestHandler):
         self._send(200, self.server.state.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
 
     def flush_cache(self):
-        self._body()
         # no prefix cache to flush: every request prefills from scratch
         self._send(200, b"Cache flushed.\n", "text/plain")
 
     def pause_generation(self):
-        mode = self._body().get("mode", "abort")
+        mode = self.body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         scheduler = self.server.state.scheduler
@@ -199,51 +233,47 @@ class EngineHandler(BaseHTTPRequestHandler):
         self._json(200, {"message": "Generation paused successfully.", "status": "ok"})
 
     def continue_generation(self):
-        self._body()
         scheduler = self.server.state.scheduler
         scheduler.run_in_loop(scheduler.resume, CONTROL_TIMEOUT_S)
         log.info("generation continued")
         self._json(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def update_weights_from_tensor(self):
-        body = self._body()
-        serialized = body.get("serialized_named_tensors")
-        load_format = body.get("load_format")
+        serialized = self.body.get("serialized_named_tensors")
+        load_format = self.body.get("load_format")
         if not isinstance(serialized, list) or not serialized or not all(isinstance(s, str) for s in serialized):
             raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
         if not (load_format is None or isinstance(load_format, str)):
             raise ValueError("load_format must be a string or null")
-        self._update_weights(body, lambda model: apply_weight_update(model, serialized, load_format))
+        self._update_weights(lambda model: apply_weight_update(model, serialized, load_format))
 
     def update_weights_from_disk(self):
-        body = self._body()
-        model_path = body.get("model_path")
+        model_path = self.body.get("model_path")
         if not isinstance(model_path, str) or not model_path:
             raise ValueError("model_path must be a non-empty string")
-        self._update_weights(body, lambda model: load_safetensors_dir(model, model_path),
+        self._update_weights(lambda model: load_safetensors_dir(model, model_path),
                              extra={"num_paused_requests": 0})
 
     def init_weights_update_group(self):
-        self.server.state.weight_groups.init(self._body())  # blocks until every rank joined
+        self.server.state.weight_groups.init(self.body)  # blocks until every rank joined
         self._json(200, {"success": True, "message": "Succeeded to initialize custom process group."})
 
     def destroy_weights_update_group(self):
-        self.server.state.weight_groups.destroy(self._body())
+        self.server.state.weight_groups.destroy(self.body)
         self._json(200, {"success": True, "message": "Succeeded to destroy custom process group."})
 
     def update_weights_from_distributed(self):
-        body = self._body()
         try:
-            named = self.server.state.weight_groups.receive(body)  # on this thread: generation goes on
+            named = self.server.state.weight_groups.receive(self.body)  # on this thread: generation goes on
         except WeightTransportError as e:
             log.warning("weight broadcast failed: %s", e)
             self._json(400, {"success": False, "message": f"Failed to receive weights: {e}"})
             return
-        self._update_weights(body, lambda model: copy_into_model(model, named))
+        self._update_weights(lambda model: copy_into_model(model, named))
 
-    def _update_weights(self, body: dict, load: Callable, extra: dict | None = None) -> None:
+    def _update_weights(self, load: Callable, extra: dict | None = None) -> None:
         """Run `load(model)` on the scheduler thread between two forwards; set weight_version."""
-        version = body.get("weight_version")
+        version = self.body.get("weight_version")
         if not (version is None or isinstance(version, str)):
             raise ValueError("weight_version must be a string or null")
         scheduler = self.server.state.scheduler
