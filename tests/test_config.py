@@ -5,7 +5,8 @@ import tomllib
 import pytest
 
 from nano_miles.engine.launch import engine_command
-from nano_miles.run.config import ConfigError, config_from_argv, load_config
+from nano_miles.run.cli import ArgumentParser
+from nano_miles.run.config import ConfigError, load_config, parse_config
 from nano_miles.run.run_end import decide, parse_payload
 
 
@@ -13,10 +14,12 @@ def test_layers_and_types(tmp_path, monkeypatch):
     f = tmp_path / "c.toml"
     f.write_text('[trainer]\nlr = 0.01\nnum_steps = 7\n[run]\nmode = "async"\n')
     monkeypatch.setenv("NANOMILES_OVERRIDES", "--trainer.num_steps=9 --rollout.temperature=1")
-    cfg, rest = config_from_argv(["--config", str(f), "--trainer.lr=2e-3", "--run.max_staleness=2", "x"])
+    parser = ArgumentParser()
+    parser.add_argument("--out")  # an entry point's own flag, parsed beside the overrides
+    cfg, args = parse_config(["--config", str(f), "--trainer.lr=2e-3", "--run.max_staleness=2", "--out=x.y"], parser)
     assert cfg.trainer.lr == 2e-3 and cfg.trainer.num_steps == 9 and cfg.run.mode == "async"
     assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
-    assert cfg.run.max_staleness == 2 and rest == ["x"]
+    assert cfg.run.max_staleness == 2 and args.out == "x.y"
 
 
 def test_dump_round_trips(tmp_path):

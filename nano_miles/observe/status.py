@@ -10,14 +10,14 @@ the run directory holds supervisord's socket, `supervisorctl status` adds superv
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import zmq
 
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.observe.metrics import HOP_REWARD, HOP_TRAINER
 from nano_miles.observe.scrape import scrape, stage_urls
-from nano_miles.run.config import Config, config_or_exit
+from nano_miles.run.cli import ArgumentParser, run
+from nano_miles.run.config import Config, parse_config
 from nano_miles.wire.codec import WireError
 from nano_miles.wire.control import ProducerStatus
 from nano_miles.wire.sockets import ControlClient, ControlError, ControlTimeout
@@ -84,7 +84,7 @@ def supervisor_view(cfg: Config) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    cfg, _ = config_or_exit(argv, "status", __doc__)
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.observe.status", description=__doc__))
     ctx = zmq.Context()
     urls = stage_urls(cfg)
     rows = {"engine": engine_status(cfg), "rollout": producer_status(cfg, ctx),
@@ -100,4 +100,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "status")

@@ -10,15 +10,16 @@ the whole file and uses its own section; unknown sections or keys are errors, ne
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import shlex
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nano_miles.run.cli import ArgumentParser, UserError, run
 from nano_miles.wire.control import PAUSE_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 DEFAULT_POLICY_DIR = REPO_ROOT / "nano_miles" / "assets" / "policy"  # the shipped small policy
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override that cannot be used; the message names the key."""
 
 
@@ -291,49 +292,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return Config(**built)
 
 
-def config_from_argv(argv: list[str]) -> tuple[Config, list[str]]:
-    """Split argv into `--config FILE`, `--section.key=value` overrides and the rest."""
-    path, overrides, rest = None, [], []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--config":
-            path = next(it, None)
-            if path is None:
-                raise ConfigError("--config needs a file name")
-        elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            overrides.append(arg)
-        else:
-            rest.append(arg)
-    return load_config(path, overrides), rest
+def is_override(arg: str) -> bool:
+    """`--section.key=value` (a dot in the flag's name), as opposed to an entry point's own flags."""
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
 
 
-def config_or_exit(argv: list[str], prog: str, doc: str) -> tuple[Config, list[str]]:
-    """What every entry point does first: `--help` prints `doc` and exits 0; a bad config prints
-    one line naming the key and exits 2 (a user mistake, never a traceback)."""
-    if "-h" in argv or "--help" in argv:
-        print(doc)
-        sys.exit(0)
-    try:
-        cfg, rest = config_from_argv(argv)
-        if not (cfg.model_dir / "config.json").is_file():
-            raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
-                              "(no config.json there)")
-        return cfg, rest
-    except ConfigError as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+def parse_config(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Config, argparse.Namespace]:
+    """What every entry point that reads the config does first: `--config FILE` and the overrides make
+    the Config, every other flag goes through `parser` (which also answers --help). A mistake in any
+    of them raises a UserError naming it (ConfigError is one)."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="the TOML file (default: $NANOMILES_CONFIG, else configs/default.toml)")
+    parser.epilog = ("--section.key=value overrides one key of the config, e.g. --trainer.lr=1e-3\n"
+                     "(python -m nano_miles.run.config prints the merged config)")
+    args, unknown = parser.parse_known_args([a for a in argv if not is_override(a)])
+    # overrides first: in `--trainer.lr 1e-3` the flag is the mistake to name, not the stray value
+    cfg = load_config(args.config, [a for a in argv if is_override(a)])
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    check_paths(cfg)
+    return cfg, args
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg, rest = config_or_exit(sys.argv[1:] if argv is None else argv, "config", __doc__)
-    if rest:
-        print(f"config error: unexpected arguments {rest}", file=sys.stderr)
-        return 2
+def check_paths(cfg: Config) -> None:
+    """Paths a stage would trip over later, looked up on disk (the sections check values only, so a
+    config can be built and printed on a machine without them)."""
+    if not (cfg.model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
+                          "(no config.json there)")
+    if cfg.security.curve_dir and not (Path(cfg.security.curve_dir) / "allowed").is_dir():
+        raise ConfigError(f"security.curve_dir {cfg.security.curve_dir!r} holds no CURVE keys "
+                          "(python -m nano_miles.run.keys DIR makes them)")
+
+
+def main(argv: list[str]) -> int:
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.run.config", description=__doc__))
     print(cfg.to_toml())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "config")

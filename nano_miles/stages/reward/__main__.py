@@ -3,12 +3,12 @@
 Run: python -m nano_miles.stages.reward [--config FILE] [--section.key=value ...]   (usually by supervisord)
 """
 
-import sys
+from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.run.config import config_or_exit
-    cfg, _ = config_or_exit(argv, "reward", __doc__)
+    from nano_miles.run.config import parse_config
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.reward", description=__doc__))
     import zmq
 
     from nano_miles.run.process import setup_process
@@ -26,4 +26,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "reward")

@@ -4,12 +4,12 @@ Run: python -m nano_miles.stages.trainer [--config FILE] [--section.key=value ..
 Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
 """
 
-import sys
+from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.run.config import config_or_exit
-    cfg, _ = config_or_exit(argv, "trainer", __doc__)
+    from nano_miles.run.config import parse_config
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.trainer", description=__doc__))
     import logging
 
     import torch
@@ -39,4 +39,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "trainer")
