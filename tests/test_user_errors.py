@@ -66,6 +66,12 @@ MISTAKES = [
     ("config", ["--trainer.lr=fast"], "trainer.lr"),
     ("config", ["--trainer.bogus=1"], "bogus"),
     ("engine", ["--model.path=nowhere"], "model.path"),
+    # values the config took before and a stage then tripped over, far from the flag
+    ("trainer", ["--trainer.lr=-1"], "trainer.lr"),
+    ("rollout", ["--rollout.temperature=-3"], "rollout.temperature"),
+    ("trainer", ["--trainer.device=tpu"], "trainer.device"),
+    ("engine", ["--engine.dtype=fp8"], "engine.dtype"),
+    ("engine", ["--engine.kind=local", "--engine.dtype=float16"], "engine.dtype"),
 ]
 
 
@@ -76,3 +82,10 @@ def test_a_mistake_is_one_line_naming_it(tmp_path, name, args, named):
     assert len(result.stderr.strip().splitlines()) == 1 and named in result.stderr, result.stderr
     assert result.stderr.startswith(f"{name}: ") and result.stdout == ""
     assert not list((tmp_path / "cwd").iterdir())
+
+
+def test_a_device_this_machine_lacks_is_one_line(tmp_path):
+    import torch
+    result = run(tmp_path, "trainer", f"--trainer.device=cuda:{torch.cuda.device_count()}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("trainer: trainer.device is 'cuda:") and len(result.stderr.splitlines()) == 1

@@ -13,11 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
+import re
 import shlex
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
 from nano_miles.wire.control import PAUSE_MODES
@@ -31,22 +35,88 @@ class ConfigError(UserError):
     """A config file or override that cannot be used; the message names the key."""
 
 
-@dataclass
-class RunConfig:
-    dir: str = "runs/current"        # run directory (relative paths are relative to the repo root)
-    seed: int = 0
-    mode: str = "sync"               # "sync": on-policy, staleness 0; "async": bounded staleness
-    max_staleness: int = 0           # async only: samples older than this many versions are dropped
-    pause_mode: str = "abort"        # engine pause at a weight update: abort (in-flight samples come
-                                     # back partial and are resumed), retract or in_place (kept)
+# What a field accepts is declared next to its default, `checked(default, rule)`, and checked
+# whenever a section is built, so a value a stage would trip over stops the process at its start.
+
+@dataclass(frozen=True)
+class Rule:
+    """What a config field accepts: `accepts(value)`, and in words for the error (`allowed`)."""
+    allowed: str
+    accepts: Callable[[Any], bool]
+
+
+def at_least(low: float) -> Rule:
+    return Rule(f">= {low}", lambda v: math.isfinite(v) and v >= low)  # TOML has nan and inf
+
+
+def above(low: float) -> Rule:
+    return Rule(f"> {low}", lambda v: math.isfinite(v) and v > low)
+
+
+def one_of(*choices: str) -> Rule:
+    return Rule(f"one of {', '.join(choices)}", lambda v: v in choices)
+
+
+def matching(pattern: str, allowed: str) -> Rule:
+    return Rule(allowed, lambda v: re.fullmatch(pattern, v) is not None)
+
+
+def _is_shell_words(text: str) -> bool:
+    try:
+        shlex.split(text)
+    except ValueError:  # an unbalanced quote
+        return False
+    return True
+
+
+ANY_TEXT = Rule("a string", lambda v: isinstance(v, str))  # paths: check_paths looks them up on disk
+NON_EMPTY = Rule("a non-empty string", lambda v: bool(v.strip()))
+BOOL = Rule("true or false", lambda v: isinstance(v, bool))
+FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
+PORT = Rule("a TCP port in [1, 65535]", lambda v: 1 <= v <= 65535)
+PORT_OR_FREE = Rule("a TCP port in [0, 65535] (0: any free one)", lambda v: 0 <= v <= 65535)
+HOST = matching(r"\S+", "a host name or address")
+DEVICE = matching(r"cpu|cuda(:[0-9]+)?", "cpu, cuda or cuda:N")
+DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
+LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
+ENDPOINT = matching(r"tcp://\S+:[0-9]+|ipc://\S+", "a ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH")
+URL = r"http://\S+:[0-9]+"
+URLS = Rule('a list of "http://host:port" strings',
+            lambda v: isinstance(v, list) and all(isinstance(u, str) and re.fullmatch(URL, u) for u in v))
+MODULE = matching(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a dotted module name, e.g. nano_miles.tasks.arithmetic")
+
+
+def checked(default, rule: Rule):
+    """A field: its default and the rule its value must meet (a list default becomes a factory, since
+    dataclasses refuse a mutable default shared by every instance)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
+
+
+class Section:
+    """A config section checks every field against its rule when it is built; the error names
+    `section.key` (the section is the class name without 'Config'), the value and what is allowed."""
 
     def __post_init__(self):
-        if self.mode not in ("sync", "async"):
-            raise ConfigError(f"run.mode must be 'sync' or 'async', not {self.mode!r}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"run.pause_mode must be one of {', '.join(PAUSE_MODES)}, not {self.pause_mode!r}")
-        if self.max_staleness < 0:
-            raise ConfigError("run.max_staleness must be >= 0")
+        for f in dataclasses.fields(self):
+            rule, value = f.metadata["rule"], getattr(self, f.name)
+            if not rule.accepts(value):
+                self.refuse(f.name, rule.allowed, value)
+
+    def refuse(self, key: str, allowed: str, value):
+        section = type(self).__name__.removesuffix("Config").lower()
+        raise ConfigError(f"{section}.{key} must be {allowed}, not {value!r}")
+
+
+@dataclass
+class RunConfig(Section):
+    dir: str = checked("runs/current", NON_EMPTY)     # run directory (relative to the repo root)
+    seed: int = checked(0, at_least(0))
+    mode: str = checked("sync", one_of("sync", "async"))  # sync: on-policy, staleness 0; async: bounded
+    max_staleness: int = checked(0, at_least(0))      # async only: samples older than this many versions are dropped
+    pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort
+                                     # (in-flight samples come back partial and are resumed), retract or in_place (kept)
 
     @property
     def effective_max_staleness(self) -> int:
@@ -55,41 +125,38 @@ class RunConfig:
 
 
 @dataclass
-class ModelConfig:
-    path: str = ""                   # a local HF model directory; empty = the shipped small policy
+class ModelConfig(Section):
+    path: str = checked("", ANY_TEXT)  # a local HF model directory; empty = the shipped small policy
 
 
 @dataclass
-class EngineConfig:
-    kind: str = "local"              # "local" (transformers + torch) or "sglang" (GPU)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int = 1             # torch threads of the local engine
-    mem_fraction_static: float = 0.5 # sglang: share of GPU memory for weights + KV (trainer needs the rest)
-    extra_args: str = ""             # sglang: more server flags, shell-split (e.g. "--attention-backend triton")
-    request_timeout_s: float = 300.0
-    weight_transport: str = "tensor" # "tensor": shared memory / CUDA IPC (same host as the trainer);
-                                     # "distributed": broadcast over a gloo/nccl group (any host)
-    weight_group_backend: str = "gloo"          # "nccl" for GPU engines
-    weight_group_address: str = "127.0.0.1"     # trainer's address as the engines reach it
-    weight_group_port: int = 0                  # 0 = a free local port (single host only)
-    weight_group_timeout_s: float = 120.0
-    urls: list = field(default_factory=list)    # several engines: ["http://h1:30000", ...]; [] = host:port
-    router_url: str = ""             # sglang-router in front of `urls`: generation goes through it
+class EngineConfig(Section):
+    kind: str = checked("local", one_of("local", "sglang"))  # local: transformers + torch; sglang: GPU
+    host: str = checked("127.0.0.1", HOST)
+    port: int = checked(30000, PORT)
+    device: str = checked("cpu", DEVICE)  # the local engine's; SGLang picks its GPU itself
+    dtype: str = checked("float32", one_of(*DTYPES))
+    num_threads: int = checked(1, at_least(1))        # torch threads of the local engine
+    mem_fraction_static: float = checked(0.5, FRACTION)  # sglang: GPU share for weights + KV (rest: trainer)
+    extra_args: str = checked("", Rule("shell words with balanced quotes", _is_shell_words))  # sglang: more
+                                     # server flags, shell-split (e.g. "--attention-backend triton")
+    request_timeout_s: float = checked(300.0, above(0))
+    weight_transport: str = checked("tensor", one_of("tensor", "distributed"))  # tensor: shared memory /
+                                     # CUDA IPC (same host as the trainer); distributed: a gloo/nccl group (any host)
+    weight_group_backend: str = checked("gloo", one_of("gloo", "nccl"))  # nccl for GPU engines
+    weight_group_address: str = checked("127.0.0.1", HOST)  # trainer's address as the engines reach it
+    weight_group_port: int = checked(0, PORT_OR_FREE)       # 0 = a free local port (single host only)
+    weight_group_timeout_s: float = checked(120.0, above(0))
+    urls: list = checked([], URLS)   # several engines: ["http://h1:30000", ...]; [] = host:port
+    router_url: str = checked("", matching(f"|{URL}", '"" or http://host:port'))  # sglang-router in
+                                     # front of `urls`: generation goes through it
 
     def __post_init__(self):
-        if self.kind not in ("local", "sglang"):
-            raise ConfigError(f"engine.kind must be 'local' or 'sglang', not {self.kind!r}")
-        if self.weight_transport not in ("tensor", "distributed"):
-            raise ConfigError(f"engine.weight_transport must be 'tensor' or 'distributed', "
-                              f"not {self.weight_transport!r}")
-        if self.weight_group_backend not in ("gloo", "nccl"):
-            raise ConfigError("engine.weight_group_backend must be 'gloo' or 'nccl'")
-        if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http://")
-                                                      for u in self.urls):
-            raise ConfigError('engine.urls must be a list of "http://host:port" strings')
+        super().__post_init__()
+        if self.kind == "local" and self.dtype not in LOCAL_ENGINE_DTYPES:
+            self.refuse("dtype", f"{' or '.join(LOCAL_ENGINE_DTYPES)} with engine.kind=local", self.dtype)
+        if self.kind == "local" and self.device not in ("cpu", "cuda"):  # CUDA_VISIBLE_DEVICES picks the GPU
+            self.refuse("device", "cpu or cuda with engine.kind=local", self.device)
         if len(self.urls) > 1 and not self.router_url:
             raise ConfigError("engine.urls lists several engines: set engine.router_url for generation")
 
@@ -104,75 +171,68 @@ class EngineConfig:
 
 
 @dataclass
-class TaskConfig:
-    name: str = "nano_miles.tasks.arithmetic"
-    num_train: int = 20000
-    num_test: int = 200
-    seed: int = 0
+class TaskConfig(Section):
+    name: str = checked("nano_miles.tasks.arithmetic", MODULE)  # imported, and its size checked, at stage start
+    num_train: int = checked(20000, at_least(1))
+    num_test: int = checked(200, at_least(1))
+    seed: int = checked(0, at_least(0))
 
 
 @dataclass
-class RolloutConfig:
-    group_size: int = 8              # G samples per prompt
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    control_endpoint: str = "tcp://127.0.0.1:5701"   # REP, bound by the rollout producer
-    max_inflight_groups: int = 16
-    lease_s: float = 60.0            # a group sent but not trained for this long is issued again
-    metrics_port: int = 9101
-
-    def __post_init__(self):
-        if self.group_size < 1 or self.max_new_tokens < 1:
-            raise ConfigError("rollout.group_size and rollout.max_new_tokens must be >= 1")
+class RolloutConfig(Section):
+    group_size: int = checked(8, at_least(1))         # G samples per prompt
+    max_new_tokens: int = checked(48, at_least(1))
+    temperature: float = checked(1.0, at_least(0))    # 0 = greedy
+    top_p: float = checked(1.0, FRACTION)
+    top_k: int = checked(-1, Rule("-1 (off) or >= 1", lambda v: v == -1 or v >= 1))
+    control_endpoint: str = checked("tcp://127.0.0.1:5701", ENDPOINT)  # REP, bound by the rollout producer
+    max_inflight_groups: int = checked(16, at_least(1))
+    lease_s: float = checked(60.0, above(0))          # a group sent but not trained for this long is issued again
+    metrics_port: int = checked(9101, PORT_OR_FREE)
 
 
 @dataclass
-class RewardConfig:
-    fn: str = "nano_miles.tasks.arithmetic:reward"
-    endpoint: str = "tcp://127.0.0.1:5702"          # PULL, bound by the reward stage
-    timeout_s: float = 5.0                          # per-sample budget of the reward function
-    metrics_port: int = 9102
+class RewardConfig(Section):
+    fn: str = checked("nano_miles.tasks.arithmetic:reward",  # imported at stage start
+                      matching(r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*", "package.module:function"))
+    endpoint: str = checked("tcp://127.0.0.1:5702", ENDPOINT)  # PULL, bound by the reward stage
+    timeout_s: float = checked(5.0, above(0))         # per-sample budget of the reward function
+    metrics_port: int = checked(9102, PORT_OR_FREE)
 
 
 @dataclass
-class TrainerConfig:
-    num_steps: int = 240
-    batch_groups: int = 16           # groups (prompts) per optimizer step
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    dual_clip_c: float = 3.0
-    recompute_old_logprobs: bool = False  # pi_old from the trainer (+ truncated IS to the engine's)
-    tis_clip: float = 2.0            # truncation of the importance weight pi_old / pi_engine
-    endpoint: str = "tcp://127.0.0.1:5703"          # PULL, bound by the trainer
-    device: str = "cpu"
-    num_threads: int = 1
-    eval_every: int = 20             # held-out greedy evaluation every N steps (0 = only at the end)
-    checkpoint_every: int = 20
-    control_timeout_s: float = 5.0   # Lazy Pirate: per-try timeout on the control channel
-    control_retries: int = 6
-    metrics_port: int = 9103
-
-    def __post_init__(self):
-        if self.num_steps < 1 or self.batch_groups < 1:
-            raise ConfigError("trainer.num_steps and trainer.batch_groups must be >= 1")
+class TrainerConfig(Section):
+    num_steps: int = checked(240, at_least(1))
+    batch_groups: int = checked(16, at_least(1))      # groups (prompts) per optimizer step
+    lr: float = checked(1e-4, above(0))
+    weight_decay: float = checked(0.0, at_least(0))
+    max_grad_norm: float = checked(1.0, above(0))
+    eps_clip: float = checked(0.2, Rule("in (0, 1)", lambda v: 0 < v < 1))  # ratio floor 1 - eps_clip
+    eps_clip_high: float = checked(0.28, above(0))    # ratio ceiling 1 + eps_clip_high
+    dual_clip_c: float = checked(3.0, above(1))       # for A < 0 the per-token loss is capped at -c * A
+    recompute_old_logprobs: bool = checked(False, BOOL)  # pi_old from the trainer (+ truncated IS to the engine's)
+    tis_clip: float = checked(2.0, above(0))          # truncation of the importance weight pi_old / pi_engine
+    endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
+    device: str = checked("cpu", DEVICE)
+    num_threads: int = checked(1, at_least(1))
+    eval_every: int = checked(20, at_least(0))        # held-out greedy evaluation every N steps (0 = only at the end)
+    checkpoint_every: int = checked(20, at_least(0))  # 0 = only at the end
+    control_timeout_s: float = checked(5.0, above(0))  # Lazy Pirate: per-try timeout on the control channel
+    control_retries: int = checked(6, at_least(1))
+    metrics_port: int = checked(9103, PORT_OR_FREE)
 
 
 @dataclass
-class MetricsConfig:
-    tensorboard: bool = False        # step scalars as TensorBoard events in <run dir>/tensorboard
-    wandb_project: str = ""          # step scalars to Weights & Biases under this project; "" = off
-    plots: bool = True               # PNG plots into the run dir at the end (needs matplotlib)
-    queue_sample_s: float = 1.0      # trainer samples queue depths into queues.jsonl this often; 0 = never
+class MetricsConfig(Section):
+    tensorboard: bool = checked(False, BOOL)          # step scalars as TensorBoard events in <run dir>/tensorboard
+    wandb_project: str = checked("", ANY_TEXT)        # step scalars to Weights & Biases under this project; "" = off
+    plots: bool = checked(True, BOOL)                 # PNG plots into the run dir at the end
+    queue_sample_s: float = checked(1.0, at_least(0))  # queue depths into queues.jsonl this often; 0 = never
 
 
 @dataclass
-class SecurityConfig:
-    curve_dir: str = ""              # ZeroMQ CURVE keys from `python -m nano_miles.run.keys DIR`; "" = plain
+class SecurityConfig(Section):
+    curve_dir: str = checked("", ANY_TEXT)  # ZeroMQ CURVE keys from `python -m nano_miles.run.keys DIR`; "" = plain
 
 
 @dataclass

@@ -4,7 +4,7 @@ Run: python -m nano_miles.stages.trainer [--config FILE] [--section.key=value ..
 Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
 """
 
-from nano_miles.run.cli import ArgumentParser, run
+from nano_miles.run.cli import ArgumentParser, UserError, run
 
 
 def main(argv: list[str]) -> int:
@@ -22,6 +22,10 @@ def main(argv: list[str]) -> int:
     from nano_miles.tasks import load_reward_fn, load_tokenizer
     from nano_miles.wire.sockets import ControlTimeout
 
+    device = torch.device(cfg.trainer.device)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"trainer.device is {cfg.trainer.device!r}, but torch {torch.__version__} sees "
+                        f"{torch.cuda.device_count()} CUDA devices here")
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
     (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
     torch.manual_seed(cfg.run.seed)
