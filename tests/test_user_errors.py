@@ -72,6 +72,13 @@ MISTAKES = [
     ("trainer", ["--trainer.device=tpu"], "trainer.device"),
     ("engine", ["--engine.dtype=fp8"], "engine.dtype"),
     ("engine", ["--engine.kind=local", "--engine.dtype=float16"], "engine.dtype"),
+    # plug-ins: imported, and the task's size checked, when the stage starts
+    ("reward", ["--reward.fn=nope.mod:fn"], "reward.fn"),
+    ("trainer", ["--reward.fn=nano_miles.tasks.arithmetic:nope"], "reward.fn"),
+    ("rollout", ["--task.name=nope.task"], "task.name"),
+    ("trainer", ["--task.name=nope.task"], "task.name"),
+    ("rollout", ["--task.num_train=999999"], "task.num_train"),
+    ("trainer", ["--task.num_test=999999"], "task.num_test"),
 ]
 
 

@@ -10,6 +10,9 @@ from nano_miles.run.cli import ArgumentParser, UserError, run
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.trainer", description=__doc__))
+    from nano_miles.tasks import load_problems, load_reward_fn, load_tokenizer
+    # plug-ins that cannot serve the config: one line now, before the heavy imports
+    reward_fn, test_problems = load_reward_fn(cfg.reward.fn), load_problems(cfg.task, "test")
     import logging
 
     import torch
@@ -19,7 +22,6 @@ def main(argv: list[str]) -> int:
     from nano_miles.run.process import setup_process
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
-    from nano_miles.tasks import load_reward_fn, load_tokenizer
     from nano_miles.wire.sockets import ControlTimeout
 
     device = torch.device(cfg.trainer.device)
@@ -32,7 +34,7 @@ def main(argv: list[str]) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     model.to(cfg.trainer.device)
     tokenizer = load_tokenizer(cfg.model_dir)
-    evaluator = make_evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn))
+    evaluator = make_evaluator(cfg, test_problems, tokenizer, reward_fn)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
         Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
