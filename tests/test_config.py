@@ -121,6 +121,13 @@ def test_engine_command_lines(tmp_path):
     assert "--disable-radix-cache" in in_place
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sglang_gets_the_configured_dtype(tmp_path, dtype):
+    sg = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
+                                               f"--engine.dtype={dtype}"]))
+    assert sg[sg.index("--dtype") + 1] == dtype
+
+
 def test_run_end_listener_decisions():
     assert decide("PROCESS_STATE_EXITED", parse_payload("processname:trainer groupname:nanomiles "
                                                         "from_state:RUNNING expected:1 pid:3")) == "done"
