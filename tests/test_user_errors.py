@@ -96,3 +96,11 @@ def test_a_device_this_machine_lacks_is_one_line(tmp_path):
     result = run(tmp_path, "trainer", f"--trainer.device=cuda:{torch.cuda.device_count()}")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("trainer: trainer.device is 'cuda:") and len(result.stderr.splitlines()) == 1
+
+
+def test_status_with_nothing_running_prints_only_its_table(tmp_path):
+    """A stage that is down is no mistake: status says so in its table (exit 1) and logs nothing."""
+    result = run(tmp_path, "status")
+    assert result.returncode == 1 and result.stderr == "", result.stderr
+    assert [line.split()[:2] for line in result.stdout.splitlines()] == [
+        ["engine", "DOWN"], ["rollout", "DOWN"], ["reward", "DOWN"], ["trainer", "DOWN"]]

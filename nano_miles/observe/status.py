@@ -9,6 +9,7 @@ the run directory holds supervisord's socket, `supervisorctl status` adds superv
 
 from __future__ import annotations
 
+import logging
 import subprocess
 
 import zmq
@@ -37,6 +38,8 @@ def engine_status(cfg: Config) -> tuple[bool, str]:
 
 
 def producer_status(cfg: Config, ctx: zmq.Context) -> tuple[bool, str]:
+    # no reply is this row's answer ("DOWN"); the client's retry warning would say it again, untabled
+    logging.getLogger(ControlClient.__module__).setLevel(logging.ERROR)
     client = ControlClient(ctx, cfg.rollout.control_endpoint, timeout_s=TIMEOUT_S, retries=1)
     try:
         s = ProducerStatus.from_result(client.request("status"))
