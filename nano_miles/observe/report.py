@@ -1,4 +1,4 @@
-"""Prints the outcome of a finished run from its directory (summary.json, or why it failed).
+"""Prints the outcome of a finished run from its directory: summary.json and its plots, or why it failed.
 
 Run: python -m nano_miles.observe.report [RUN_DIR]   (default runs/current); exit 1 if the run failed.
 """
@@ -35,6 +35,8 @@ def report(run_dir: Path) -> tuple[str, bool]:
         lines.append(f"  prompts                  {led['num_prompts']}: {led['num_trained_once']} trained once, "
                      f"{led['num_trained_twice']} twice, {led['num_lost']} lost, "
                      f"{led.get('num_unfinished', 0)} unfinished at the end (ledger.json)")
+    plots = ", ".join(str(p) for p in sorted(run_dir.glob("*.png")))
+    lines.append(f"  plots                    {plots or 'none (metrics.plots is off, or see trainer.log)'}")
     return "\n".join(lines), True
 
 
