@@ -1,4 +1,4 @@
-"""What pyproject.toml promises: the dependencies the library imports."""
+"""What pyproject.toml promises: the dependencies the library imports, and the Python it runs on."""
 
 import ast
 import re
@@ -38,3 +38,21 @@ def test_every_library_import_is_a_dependency():
             assert name in requirement_names(PROJECT["optional-dependencies"][OPTIONAL[module]]), module
         else:
             assert name in declared, f"the library imports {module}, which pyproject's dependencies lack"
+
+
+def minimum_python() -> tuple[int, int]:
+    major, minor = re.fullmatch(r">=\s*(\d+)\.(\d+)", PROJECT["requires-python"].strip()).groups()
+    return int(major), int(minor)
+
+
+def test_every_module_parses_as_the_minimum_python():
+    """requires-python is a promise: newer syntax (a 3.12 `type X = ...`, type parameter lists) fails here."""
+    version = minimum_python()
+    paths = [p for folder in ("nano_miles", "harness", "tests", "bench") for p in (ROOT / folder).rglob("*.py")]
+    for path in paths:
+        ast.parse(path.read_text(), filename=str(path), feature_version=version)
+
+
+def test_readme_states_the_minimum_python():
+    major, minor = minimum_python()
+    assert f"Python ≥ {major}.{minor}" in (ROOT / "README.md").read_text()
