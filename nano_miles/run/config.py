@@ -13,17 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
-import re
 import shlex
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
+from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, HOST, MODULE, NON_EMPTY,
+                                  OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K, URL_OR_EMPTY, URLS, above,
+                                  at_least, checked, one_of)
 from nano_miles.wire.control import PAUSE_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,68 +34,14 @@ class ConfigError(UserError):
     """A config file or override that cannot be used; the message names the key."""
 
 
-# What a field accepts is declared next to its default, `checked(default, rule)`, and checked
-# whenever a section is built, so a value a stage would trip over stops the process at its start.
-
-@dataclass(frozen=True)
-class Rule:
-    """What a config field accepts: `accepts(value)`, and in words for the error (`allowed`)."""
-    allowed: str
-    accepts: Callable[[Any], bool]
-
-
-def at_least(low: float) -> Rule:
-    return Rule(f">= {low}", lambda v: math.isfinite(v) and v >= low)  # TOML has nan and inf
-
-
-def above(low: float) -> Rule:
-    return Rule(f"> {low}", lambda v: math.isfinite(v) and v > low)
-
-
-def one_of(*choices: str) -> Rule:
-    return Rule(f"one of {', '.join(choices)}", lambda v: v in choices)
-
-
-def matching(pattern: str, allowed: str) -> Rule:
-    return Rule(allowed, lambda v: re.fullmatch(pattern, v) is not None)
-
-
-def _is_shell_words(text: str) -> bool:
-    try:
-        shlex.split(text)
-    except ValueError:  # an unbalanced quote
-        return False
-    return True
-
-
-ANY_TEXT = Rule("a string", lambda v: isinstance(v, str))  # paths: check_paths looks them up on disk
-NON_EMPTY = Rule("a non-empty string", lambda v: bool(v.strip()))
-BOOL = Rule("true or false", lambda v: isinstance(v, bool))
-FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
-PORT = Rule("a TCP port in [1, 65535]", lambda v: 1 <= v <= 65535)
-PORT_OR_FREE = Rule("a TCP port in [0, 65535] (0: any free one)", lambda v: 0 <= v <= 65535)
-HOST = matching(r"\S+", "a host name or address")
-DEVICE = matching(r"cpu|cuda(:[0-9]+)?", "cpu, cuda or cuda:N")
 DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
-ENDPOINT = matching(r"tcp://\S+:[0-9]+|ipc://\S+", "a ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH")
-URL = r"http://\S+:[0-9]+"
-URLS = Rule('a list of "http://host:port" strings',
-            lambda v: isinstance(v, list) and all(isinstance(u, str) and re.fullmatch(URL, u) for u in v))
-MODULE = matching(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a dotted module name, e.g. nano_miles.tasks.arithmetic")
-
-
-def checked(default, rule: Rule):
-    """A field: its default and the rule its value must meet (a list default becomes a factory, since
-    dataclasses refuse a mutable default shared by every instance)."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"rule": rule})
-    return field(default=default, metadata={"rule": rule})
 
 
 class Section:
-    """A config section checks every field against its rule when it is built; the error names
-    `section.key` (the section is the class name without 'Config'), the value and what is allowed."""
+    """A config section checks every field against its rule (`rules.py`) when it is built, so a value
+    a stage would trip over stops the process at its start; the error names `section.key` (the section
+    is the class name without 'Config'), the value and what is allowed."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -114,9 +59,9 @@ class RunConfig(Section):
     dir: str = checked("runs/current", NON_EMPTY)     # run directory (relative to the repo root)
     seed: int = checked(0, at_least(0))
     mode: str = checked("sync", one_of("sync", "async"))  # sync: on-policy, staleness 0; async: bounded
-    max_staleness: int = checked(0, at_least(0))      # async only: samples older than this many versions are dropped
-    pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort
-                                     # (in-flight samples come back partial and are resumed), retract or in_place (kept)
+    max_staleness: int = checked(0, at_least(0))      # async only: samples this many versions older are dropped
+    pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort (in-flight
+                                                      # samples come back partial, are resumed), retract, in_place
 
     @property
     def effective_max_staleness(self) -> int:
@@ -138,18 +83,17 @@ class EngineConfig(Section):
     dtype: str = checked("float32", one_of(*DTYPES))
     num_threads: int = checked(1, at_least(1))        # torch threads of the local engine
     mem_fraction_static: float = checked(0.5, FRACTION)  # sglang: GPU share for weights + KV (rest: trainer)
-    extra_args: str = checked("", Rule("shell words with balanced quotes", _is_shell_words))  # sglang: more
-                                     # server flags, shell-split (e.g. "--attention-backend triton")
+    extra_args: str = checked("", SHELL_WORDS)        # sglang: more server flags, shell-split
+                                                      # (e.g. "--attention-backend triton")
     request_timeout_s: float = checked(300.0, above(0))
-    weight_transport: str = checked("tensor", one_of("tensor", "distributed"))  # tensor: shared memory /
-                                     # CUDA IPC (same host as the trainer); distributed: a gloo/nccl group (any host)
+    weight_transport: str = checked("tensor", one_of("tensor", "distributed"))  # tensor: shared memory or
+                                                      # CUDA IPC (same host); distributed: a gloo/nccl group (any host)
     weight_group_backend: str = checked("gloo", one_of("gloo", "nccl"))  # nccl for GPU engines
     weight_group_address: str = checked("127.0.0.1", HOST)  # trainer's address as the engines reach it
     weight_group_port: int = checked(0, PORT_OR_FREE)       # 0 = a free local port (single host only)
     weight_group_timeout_s: float = checked(120.0, above(0))
     urls: list = checked([], URLS)   # several engines: ["http://h1:30000", ...]; [] = host:port
-    router_url: str = checked("", matching(f"|{URL}", '"" or http://host:port'))  # sglang-router in
-                                     # front of `urls`: generation goes through it
+    router_url: str = checked("", URL_OR_EMPTY)       # sglang-router in front of `urls`: generation goes through it
 
     def __post_init__(self):
         super().__post_init__()
@@ -184,7 +128,7 @@ class RolloutConfig(Section):
     max_new_tokens: int = checked(48, at_least(1))
     temperature: float = checked(1.0, at_least(0))    # 0 = greedy
     top_p: float = checked(1.0, FRACTION)
-    top_k: int = checked(-1, Rule("-1 (off) or >= 1", lambda v: v == -1 or v >= 1))
+    top_k: int = checked(-1, TOP_K)
     control_endpoint: str = checked("tcp://127.0.0.1:5701", ENDPOINT)  # REP, bound by the rollout producer
     max_inflight_groups: int = checked(16, at_least(1))
     lease_s: float = checked(60.0, above(0))          # a group sent but not trained for this long is issued again
@@ -193,8 +137,7 @@ class RolloutConfig(Section):
 
 @dataclass
 class RewardConfig(Section):
-    fn: str = checked("nano_miles.tasks.arithmetic:reward",  # imported at stage start
-                      matching(r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*", "package.module:function"))
+    fn: str = checked("nano_miles.tasks.arithmetic:reward", FUNCTION)  # imported at stage start
     endpoint: str = checked("tcp://127.0.0.1:5702", ENDPOINT)  # PULL, bound by the reward stage
     timeout_s: float = checked(5.0, above(0))         # per-sample budget of the reward function
     metrics_port: int = checked(9102, PORT_OR_FREE)
@@ -207,7 +150,7 @@ class TrainerConfig(Section):
     lr: float = checked(1e-4, above(0))
     weight_decay: float = checked(0.0, at_least(0))
     max_grad_norm: float = checked(1.0, above(0))
-    eps_clip: float = checked(0.2, Rule("in (0, 1)", lambda v: 0 < v < 1))  # ratio floor 1 - eps_clip
+    eps_clip: float = checked(0.2, OPEN_FRACTION)     # ratio floor 1 - eps_clip
     eps_clip_high: float = checked(0.28, above(0))    # ratio ceiling 1 + eps_clip_high
     dual_clip_c: float = checked(3.0, above(1))       # for A < 0 the per-token loss is capped at -c * A
     recompute_old_logprobs: bool = checked(False, BOOL)  # pi_old from the trainer (+ truncated IS to the engine's)
