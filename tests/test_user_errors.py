@@ -79,6 +79,7 @@ MISTAKES = [
     ("trainer", ["--task.name=nope.task"], "task.name"),
     ("rollout", ["--task.num_train=999999"], "task.num_train"),
     ("trainer", ["--task.num_test=999999"], "task.num_test"),
+    ("reward", ["--security.curve_dir=nowhere"], "security.curve_dir"),
 ]
 
 

@@ -6,6 +6,8 @@ Layering, lowest first: the dataclass defaults below, the TOML file (`configs/de
 `--config` or $NANOMILES_CONFIG names another), overrides from $NANOMILES_OVERRIDES (space separated;
 how supervisord-launched stages get per-run settings), then command-line overrides. Each process reads
 the whole file and uses its own section; unknown sections or keys are errors, never silently ignored.
+Every field declares what it accepts next to its default (`rules.py`): a value out of range is an
+error at the process's start, naming the key, not a failure later inside a stage.
 """
 
 from __future__ import annotations
