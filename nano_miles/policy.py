@@ -273,7 +273,7 @@ def evaluate_dir(model_dir, *, num: int = 200, num_samples: int = 8, seed: int =
     return evaluate_model(model, tokenizer, make_problems("test", num), num_samples=num_samples)
 
 
-def test_count(text: str) -> int:
+def held_out_count(text: str) -> int:
     """--num / --num-eval: a number of held-out problems, at most what the test split holds."""
     num, limit = int(text) if text.isdigit() else -1, num_problems("test")
     if not 1 <= num <= limit:
@@ -281,7 +281,7 @@ def test_count(text: str) -> int:
     return num
 
 
-def device(text: str) -> str:
+def device_name(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, not {text!r}")
     return text
@@ -299,14 +299,15 @@ def parse_args(argv):
     sweep_cmd.add_argument("--num-steps", type=int, required=True, help="supervised warm-up steps")
     sweep_cmd.add_argument("--eval-every", type=int, required=True, help="evaluate and save every N steps")
     sweep_cmd.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order")
-    sweep_cmd.add_argument("--num-eval", type=test_count, default=200, help="number of test problems per evaluation")
+    sweep_cmd.add_argument("--num-eval", type=held_out_count, default=200,
+                           help="number of test problems per evaluation")
     for cmd in (build, sweep_cmd):
         cmd.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="small",
                          help="model size: small (the shipped CPU policy) or medium (the GPU policy)")
-        cmd.add_argument("--device", type=device, default="cpu", help="torch device of the warm-up, e.g. cuda")
+        cmd.add_argument("--device", type=device_name, default="cpu", help="torch device of the warm-up, e.g. cuda")
     evaluate = sub.add_parser("eval", help="greedy accuracy, format rate and pass@k on held-out problems")
     evaluate.add_argument("--model", type=Path, required=True, help="any local HF causal-LM directory")
-    evaluate.add_argument("--num", type=test_count, default=200, help="number of test problems")
+    evaluate.add_argument("--num", type=held_out_count, default=200, help="number of test problems")
     evaluate.add_argument("--num-samples", type=int, default=8, help="k of pass@k at temperature 1 (0: skip)")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
     return parser.parse_args(argv)
