@@ -12,14 +12,16 @@ result and sends it, so the control channel, the engines and the weight group se
 from __future__ import annotations
 
 import os
-import sys
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from nano_miles.run.cli import ArgumentParser, run
 
 
 def init_ranks() -> tuple[int, int]:
     """(rank, world size) from torchrun's environment; joins the default group when there are several."""
+    import torch
+    import torch.distributed as dist
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1 and not dist.is_initialized():
@@ -61,6 +63,9 @@ def train_step(model, optimizer, batch, loss_cfg, temperature: float, max_grad_n
     """One optimizer step on this rank's slice of `batch` (an `assemble_batch` result, all samples).
 
     Returns (global loss, grad norm), the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
     from nano_miles.algo.grpo import token_logprobs
     from nano_miles.algo.loss import ppo_loss
 
@@ -85,9 +90,11 @@ def train_step(model, optimizer, batch, loss_cfg, temperature: float, max_grad_n
 
 def main(argv: list[str]) -> int:
     """One step on a fixed synthetic batch with the project's policy; rank 0 saves the new weights."""
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print(__doc__)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    parser = ArgumentParser(prog="python -m harness.fsdp_step", description=__doc__)
+    parser.add_argument("out", type=Path, help="file for rank 0's loss, grad norm and new weights (torch.save)")
+    out = parser.parse_args(argv).out
+    import torch  # after the flags: --help answers at once
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     from harness.policy import ensure_policy
@@ -110,11 +117,11 @@ def main(argv: list[str]) -> int:
     loss, grad_norm = train_step(model, optimizer, batch, LossConfig(), 1.0, 1.0, rank, world)
     named = full_named_tensors(model, rank)
     if rank == 0:
-        torch.save({"loss": loss, "grad_norm": grad_norm, "params": dict(named)}, argv[0])
+        torch.save({"loss": loss, "grad_norm": grad_norm, "params": dict(named)}, out)
     if world > 1:
         dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "fsdp_step")

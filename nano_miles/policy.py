@@ -17,10 +17,11 @@ No BOS and no chat template. The response is `worked step <answer>N</answer>` th
 import argparse
 import copy
 import json
-import sys
+import re
 import time
 from pathlib import Path
 
+from nano_miles.run.cli import ArgumentParser, UserError, run
 from nano_miles.tasks.arithmetic import (CLOSE_TAG, OPEN_TAG, Problem, extract_answer, make_expressions,
                                          make_problems, num_problems, render_prompt)
 
@@ -272,9 +273,22 @@ def evaluate_dir(model_dir, *, num: int = 200, num_samples: int = 8, seed: int =
     return evaluate_model(model, tokenizer, make_problems("test", num), num_samples=num_samples)
 
 
+def held_out_count(text: str) -> int:
+    """--num / --num-eval: a number of held-out problems, at most what the test split holds."""
+    num, limit = int(text) if text.isdigit() else -1, num_problems("test")
+    if not 1 <= num <= limit:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {limit}], not {text!r}")
+    return num
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, not {text!r}")
+    return text
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m nano_miles.policy", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m nano_miles.policy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build the tokenizer and model from a seed and warm them up")
     build.add_argument("--out", type=Path, required=True, help="output directory (HF format)")
@@ -285,26 +299,28 @@ def parse_args(argv):
     sweep_cmd.add_argument("--num-steps", type=int, required=True, help="supervised warm-up steps")
     sweep_cmd.add_argument("--eval-every", type=int, required=True, help="evaluate and save every N steps")
     sweep_cmd.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order")
-    sweep_cmd.add_argument("--num-eval", type=int, default=200, help="number of test problems per evaluation")
+    sweep_cmd.add_argument("--num-eval", type=held_out_count, default=200,
+                           help="number of test problems per evaluation")
     for cmd in (build, sweep_cmd):
         cmd.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="small",
                          help="model size: small (the shipped CPU policy) or medium (the GPU policy)")
-        cmd.add_argument("--device", default="cpu", help="torch device of the warm-up, e.g. cuda")
+        cmd.add_argument("--device", type=device_name, default="cpu", help="torch device of the warm-up, e.g. cuda")
     evaluate = sub.add_parser("eval", help="greedy accuracy, format rate and pass@k on held-out problems")
     evaluate.add_argument("--model", type=Path, required=True, help="any local HF causal-LM directory")
-    evaluate.add_argument("--num", type=int, default=200, help="number of test problems")
+    evaluate.add_argument("--num", type=held_out_count, default=200, help="number of test problems")
     evaluate.add_argument("--num-samples", type=int, default=8, help="k of pass@k at temperature 1 (0: skip)")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
     if getattr(args, "device", "cpu").startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
-            sys.exit(f"python -m nano_miles.policy {args.command}: --device {args.device}, but torch "
-                     f"{torch.__version__} sees no CUDA device here")
+            raise UserError(f"--device {args.device}, but torch {torch.__version__} sees no CUDA device here")
+    if args.command == "eval" and not (args.model / "config.json").is_file():
+        raise UserError(f"--model {args.model} is not a local HF model directory (no config.json there)")
     start_s = time.monotonic()
     if args.command == "build":
         build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device)
@@ -318,4 +334,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "policy")

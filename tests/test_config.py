@@ -1,11 +1,14 @@
 """Config layering: defaults < TOML file < $NANOMILES_OVERRIDES < command line; bad keys are errors."""
 
+import dataclasses
 import tomllib
+from pathlib import Path
 
 import pytest
 
 from nano_miles.engine.launch import engine_command
-from nano_miles.run.config import ConfigError, config_from_argv, load_config
+from nano_miles.run.cli import ArgumentParser
+from nano_miles.run.config import Config, ConfigError, load_config, parse_config
 from nano_miles.run.run_end import decide, parse_payload
 
 
@@ -13,10 +16,12 @@ def test_layers_and_types(tmp_path, monkeypatch):
     f = tmp_path / "c.toml"
     f.write_text('[trainer]\nlr = 0.01\nnum_steps = 7\n[run]\nmode = "async"\n')
     monkeypatch.setenv("NANOMILES_OVERRIDES", "--trainer.num_steps=9 --rollout.temperature=1")
-    cfg, rest = config_from_argv(["--config", str(f), "--trainer.lr=2e-3", "--run.max_staleness=2", "x"])
+    parser = ArgumentParser()
+    parser.add_argument("--out")  # an entry point's own flag, parsed beside the overrides
+    cfg, args = parse_config(["--config", str(f), "--trainer.lr=2e-3", "--run.max_staleness=2", "--out=x.y"], parser)
     assert cfg.trainer.lr == 2e-3 and cfg.trainer.num_steps == 9 and cfg.run.mode == "async"
     assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
-    assert cfg.run.max_staleness == 2 and rest == ["x"]
+    assert cfg.run.max_staleness == 2 and args.out == "x.y"
 
 
 def test_dump_round_trips(tmp_path):
@@ -41,6 +46,58 @@ def test_bad_overrides_are_named(override, match):
         load_config(overrides=[override])
 
 
+@pytest.mark.parametrize("override, match", [
+    ("--trainer.lr=-1", r"trainer.lr must be > 0, not -1.0"),
+    ("--trainer.lr=nan", r"trainer.lr must be > 0, not nan"),
+    ("--rollout.temperature=-3", r"rollout.temperature must be >= 0"),
+    ("--rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
+    ("--rollout.top_k=0", r"rollout.top_k must be -1 \(off\) or >= 1"),
+    ("--trainer.device=tpu", r"trainer.device must be cpu, cuda or cuda:N, not 'tpu'"),
+    ("--engine.dtype=fp8", r"engine.dtype must be one of float32, bfloat16, float16, not 'fp8'"),
+    ("--engine.dtype=float16", r"engine.dtype must be float32 or bfloat16 with engine.kind=local"),
+    ("--engine.device=cuda:1", r"engine.device must be cpu or cuda with engine.kind=local"),
+    ("--engine.port=0", r"engine.port must be a TCP port in \[1, 65535\]"),
+    ("--engine.mem_fraction_static=1.5", r"engine.mem_fraction_static must be in \(0, 1\]"),
+    ("--engine.extra_args='--x \"y'", r"engine.extra_args must be shell words"),
+    ("--engine.router_url=localhost:1", r"engine.router_url"),
+    ("--trainer.eps_clip=1", r"trainer.eps_clip must be in \(0, 1\)"),
+    ("--trainer.dual_clip_c=1", r"trainer.dual_clip_c must be > 1"),
+    ("--trainer.endpoint=localhost:5703", r"trainer.endpoint must be a ZeroMQ endpoint"),
+    ("--trainer.control_retries=0", r"trainer.control_retries must be >= 1"),
+    ("--reward.fn=reward", r"reward.fn must be package.module:function"),
+    ("--task.name=nope-task", r"task.name must be a dotted module name"),
+    ("--task.num_test=0", r"task.num_test must be >= 1"),
+    ("--metrics.queue_sample_s=-1", r"metrics.queue_sample_s must be >= 0"),
+    ("--run.dir=", r"run.dir must be a non-empty string"),
+])
+def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--trainer.device=cuda:1", "--engine.kind=sglang", "--engine.device=cuda:1", "--engine.dtype=float16"],
+    ["--engine.device=cuda", "--engine.dtype=bfloat16", "--rollout.temperature=0", "--rollout.top_k=5"],
+    ["--rollout.control_endpoint=ipc:///tmp/x/control", "--engine.urls=[\"http://h:1\", \"http://h:2\"]",
+     "--engine.router_url=http://h:3", "--engine.weight_group_port=0", "--reward.fn=a.b.c"],
+])
+def test_values_in_range_are_kept(overrides):
+    load_config(overrides=overrides)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs").glob("*.toml")), ids=str)
+def test_shipped_configs_pass_their_checks(path):
+    load_config(path)
+
+
+def test_every_field_declares_its_rule():
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory
+        assert cls.__name__.removesuffix("Config").lower() == section.name  # the name its errors use
+        missing = [f.name for f in dataclasses.fields(cls) if "rule" not in f.metadata]
+        assert not missing, f"[{section.name}] fields without a rule: {missing}"
+
+
 def test_missing_or_broken_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
@@ -62,6 +119,13 @@ def test_engine_command_lines(tmp_path):
     in_place = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
                                                      "--run.pause_mode=in_place"]))
     assert "--disable-radix-cache" in in_place
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_sglang_gets_the_configured_dtype(tmp_path, dtype):
+    sg = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
+                                               f"--engine.dtype={dtype}"]))
+    assert sg[sg.index("--dtype") + 1] == dtype
 
 
 def test_run_end_listener_decisions():

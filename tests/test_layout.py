@@ -17,6 +17,7 @@ ALGO_MAY_IMPORT = ("torch", "numpy", "math", "dataclasses", "typing", "__future_
 ALGO_MAY_NOT_IMPORT = ("torch.distributed", "torch.multiprocessing", "torch.utils.data")
 ENTRY_POINTS = ("nano_miles.stages.rollout.__main__", "nano_miles.stages.reward.__main__",
                 "nano_miles.stages.trainer.__main__", "nano_miles.engine.__main__", "nano_miles.local_engine.__main__")
+CLI = "nano_miles.run.cli"  # UserError and `run`: what turns a user's mistake into one line
 # the engine side of each weight transport, and everything the engine process runs
 ENGINE_SIDE = ("nano_miles.local_engine", "nano_miles.weights.tensor_receiver", "nano_miles.weights.flat_receiver",
                "nano_miles.weights.broadcast_group", "nano_miles.weights.named_tensors")
@@ -181,6 +182,13 @@ def module_level_imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_every_process_is_a_thin_module_entry_point(name):
     """Every process starts as `python -m <package>`; its __main__ imports only the standard library
-    before `main` runs, and the heavy parts after the config is parsed: `--help` answers at once."""
-    top = {m.split(".")[0] for m in module_level_imports(MODULES[name])}
+    and the user-error path (itself standard library only) before `main` runs, and the heavy parts
+    after the config is parsed: `--help` answers at once."""
+    top = {m for m in module_level_imports(MODULES[name]) if m != CLI}
+    top = {m.split(".")[0] for m in top}
     assert top <= set(sys.stdlib_module_names), f"{name} imports {top - set(sys.stdlib_module_names)} at import"
+
+
+def test_the_user_error_path_needs_only_the_standard_library():
+    top = {m.split(".")[0] for m in all_imports(CLI)}
+    assert top <= set(sys.stdlib_module_names), f"{CLI} imports {top - set(sys.stdlib_module_names)}"

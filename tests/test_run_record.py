@@ -56,3 +56,20 @@ def test_steps_and_sinks_from_first_step_to_finish(run_cfg, tmp_path):
     assert rewards == [(1, 0.25), (2, 0.5), (2, 0.75)]
     assert [e.value for e in events.Scalars("phase_s/train")] == pytest.approx([0.4] * 3)
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")), "W&B wrote no offline run"
+
+
+def test_the_run_writes_its_plots_and_the_report_says_where(tmp_path):
+    """What `make run` promises a newcomer: both PNGs, and the end-of-run report naming them."""
+    from nano_miles.observe.plots import write_plots
+    from nano_miles.observe.report import report
+
+    steps = [{"step": 1, "reward": 0.2, "accuracy": 0.1}, {"step": 2, "reward": 0.4, "accuracy": 0.3}]
+    queues = [{"time": 10.0 + t, "depth_groups": {"rollout_to_reward": t}} for t in range(3)]
+    written = write_plots(tmp_path, steps, queues)
+    assert sorted(p.name for p in written) == ["queue_depth.png", "reward_accuracy.png"]
+    summary = {"num_steps": 2, "reward_early": 0.2, "reward_late": 0.4, "reward_delta": 0.2,
+               "eval_accuracy_start": 0.1, "eval_accuracy_max": 0.3, "eval_accuracy_end": 0.3,
+               "eval_accuracy_delta": 0.2, "mean_step_s": 1.0, "mean_update_ms": 3.0, "staleness_max": 0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    text, is_ok = report(tmp_path)
+    assert is_ok and f"{tmp_path / 'queue_depth.png'}, {tmp_path / 'reward_accuracy.png'}" in text

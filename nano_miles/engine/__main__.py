@@ -6,16 +6,19 @@ The process replaces itself (exec) with the engine server, so supervisord's sign
 """
 
 import os
-import sys
+
+from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
     from nano_miles.engine.launch import engine_command
-    from nano_miles.run.config import REPO_ROOT, config_or_exit
+    from nano_miles.run.config import REPO_ROOT, parse_config
 
-    cfg, rest = config_or_exit(argv, "engine", __doc__)
+    parser = ArgumentParser(prog="python -m nano_miles.engine", description=__doc__)
+    parser.add_argument("--print", action="store_true", help="print the engine's command line, run nothing")
+    cfg, args = parse_config(argv, parser)
     cmd = engine_command(cfg)
-    if "--print" in rest:
+    if args.print:
         print(" ".join(cmd))
         return 0
     # the server (and SGLang's scheduler processes, which import the flat loader) find this checkout
@@ -24,4 +27,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "engine")

@@ -24,12 +24,12 @@ def engine_command(cfg: Config) -> list[str]:
     if e.kind == "local":
         return [sys.executable, "-m", "nano_miles.local_engine", *common, "--device", e.device,
                 "--dtype", e.dtype, "--num-threads", str(e.num_threads)]
-    dtype = "bfloat16" if e.dtype == "bfloat16" else "float32"
     return [sys.executable, "-m", "sglang.launch_server", *common,
             "--skip-tokenizer-init",                      # token ids in and out, never text
             "--enable-metrics",                           # Prometheus /metrics on the same port
             "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
-            "--dtype", dtype, "--random-seed", str(cfg.run.seed),
+            "--dtype", e.dtype,                           # the config's names are SGLang's too
+            "--random-seed", str(cfg.run.seed),
             # lets the trainer update weights through one mapped buffer (nano_miles/weights/flat_receiver.py)
             "--custom-weight-loader", FLAT_LOADER,
             # paused requests kept across an update stop SGLang flushing its prefix cache: without

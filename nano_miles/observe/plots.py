@@ -1,4 +1,4 @@
-"""PNG plots of a run: reward and accuracy per step, queue depth over time; matplotlib optional.
+"""PNG plots of a run: reward and accuracy per step, queue depth over time.
 
 Library module used by the trainer's run record at the end of a run, and by the bench scripts.
 """
@@ -14,13 +14,14 @@ log = logging.getLogger(__name__)
 
 
 def pyplot_or_none(say=print):
-    """matplotlib.pyplot on the file-only Agg backend, or None (after telling `say`) without matplotlib."""
+    """matplotlib.pyplot on the file-only Agg backend; None (after telling `say`) in an environment that
+    lacks it (it is a dependency: a run without plots is no reason to stop)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        say("matplotlib is not installed (pip install -e '.[bench]'): no PNG written")
+        say("matplotlib is not installed (pip install matplotlib): no PNG written")
         return None
     return plt
 

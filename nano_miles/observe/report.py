@@ -1,4 +1,4 @@
-"""Prints the outcome of a finished run from its directory (summary.json, or why it failed).
+"""Prints the outcome of a finished run from its directory: summary.json and its plots, or why it failed.
 
 Run: python -m nano_miles.observe.report [RUN_DIR]   (default runs/current); exit 1 if the run failed.
 """
@@ -6,8 +6,9 @@ Run: python -m nano_miles.observe.report [RUN_DIR]   (default runs/current); exi
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
+
+from nano_miles.run.cli import ArgumentParser, UserError, run
 
 
 def report(run_dir: Path) -> tuple[str, bool]:
@@ -34,17 +35,21 @@ def report(run_dir: Path) -> tuple[str, bool]:
         lines.append(f"  prompts                  {led['num_prompts']}: {led['num_trained_once']} trained once, "
                      f"{led['num_trained_twice']} twice, {led['num_lost']} lost, "
                      f"{led.get('num_unfinished', 0)} unfinished at the end (ledger.json)")
+    plots = ", ".join(str(p) for p in sorted(run_dir.glob("*.png")))
+    lines.append(f"  plots                    {plots or 'none (metrics.plots is off, or see trainer.log)'}")
     return "\n".join(lines), True
 
 
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    text, ok = report(Path(argv[0]) if argv else Path("runs/current"))
+    parser = ArgumentParser(prog="python -m nano_miles.observe.report", description=__doc__)
+    parser.add_argument("run_dir", nargs="?", type=Path, default=Path("runs/current"), help="the run directory")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        raise UserError(f"{args.run_dir} is not a directory (a run directory, e.g. runs/current)")
+    text, ok = report(args.run_dir)
     print(text)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "report")

@@ -9,16 +9,17 @@ the run directory holds supervisord's socket, `supervisorctl status` adds superv
 
 from __future__ import annotations
 
+import logging
 import subprocess
-import sys
 
 import zmq
 
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.observe.metrics import HOP_REWARD, HOP_TRAINER
 from nano_miles.observe.scrape import scrape, stage_urls
+from nano_miles.run.cli import ArgumentParser, run
+from nano_miles.run.config import Config, parse_config
 from nano_miles.run.identity import read_run_identity
-from nano_miles.run.config import Config, config_or_exit
 from nano_miles.wire.codec import WireError
 from nano_miles.wire.control import ProducerStatus
 from nano_miles.wire.sockets import ControlClient, ControlError, ControlTimeout
@@ -38,6 +39,8 @@ def engine_status(cfg: Config) -> tuple[bool, str]:
 
 
 def producer_status(cfg: Config, ctx: zmq.Context) -> tuple[bool, str]:
+    # no reply is this row's answer ("DOWN"); the client's retry warning would say it again, untabled
+    logging.getLogger(ControlClient.__module__).setLevel(logging.ERROR)
     identity = read_run_identity(cfg.run_dir)  # the producer answers only the run it serves
     client = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=identity[0] if identity else "none",
                            timeout_s=TIMEOUT_S, retries=1)
@@ -87,7 +90,7 @@ def supervisor_view(cfg: Config) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    cfg, _ = config_or_exit(argv, "status", __doc__)
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.observe.status", description=__doc__))
     ctx = zmq.Context()
     urls = stage_urls(cfg)
     rows = {"engine": engine_status(cfg), "rollout": producer_status(cfg, ctx),
@@ -103,4 +106,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "status")

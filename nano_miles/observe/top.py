@@ -8,7 +8,9 @@ Reads every stage's /metrics endpoint (ports from the config) and the last line 
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from nano_miles.observe.metrics import HOP_ENGINE
 from nano_miles.observe.scrape import HOP_ENDS, STAGES, Snapshot, goodput, hop_depths, scrape_all, stage_urls
+from nano_miles.run.cli import ArgumentParser, run
 
 SPARKS = "▁▂▃▄▅▆▇█"
 HISTORY_LEN = 40
@@ -133,18 +136,25 @@ class View:
                 f"acc {100 * r['accuracy']:.1f}% | step {r['step_s']:.2f}s | {phases}")
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, not {text!r}")
+    return seconds
+
+
 def main(argv: list[str]) -> int:
-    from nano_miles.run.config import config_or_exit
-    cfg, rest = config_or_exit(argv, "top", __doc__)
-    is_once = "--once" in rest
-    run_dir, interval_s = cfg.run_dir, 1.0
-    for i, arg in enumerate(rest):
-        if arg == "--run-dir" and i + 1 < len(rest):
-            run_dir = Path(rest[i + 1])
-        elif arg == "--interval-s" and i + 1 < len(rest):
-            interval_s = float(rest[i + 1])
-    view = View(stage_urls(cfg), run_dir, is_color=not is_once and sys.stdout.isatty())
-    if is_once:
+    from nano_miles.run.config import parse_config
+    parser = ArgumentParser(prog="python -m nano_miles.observe.top", description=__doc__)
+    parser.add_argument("--run-dir", type=Path, help="where metrics.jsonl is (default: run.dir)")
+    parser.add_argument("--interval-s", type=positive_seconds, default=1.0, help="seconds between frames")
+    parser.add_argument("--once", action="store_true", help="print one frame without ANSI codes and exit")
+    cfg, args = parse_config(argv, parser)
+    view = View(stage_urls(cfg), args.run_dir or cfg.run_dir, is_color=not args.once and sys.stdout.isatty())
+    if args.once:
         print(view.frame())
         return 0
     try:
@@ -152,10 +162,10 @@ def main(argv: list[str]) -> int:
             text = view.frame()
             sys.stdout.write(CLEAR + text + "\n")
             sys.stdout.flush()
-            time.sleep(interval_s)
+            time.sleep(args.interval_s)
     except KeyboardInterrupt:
         return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "top")

@@ -6,19 +6,25 @@ Layering, lowest first: the dataclass defaults below, the TOML file (`configs/de
 `--config` or $NANOMILES_CONFIG names another), overrides from $NANOMILES_OVERRIDES (space separated;
 how supervisord-launched stages get per-run settings), then command-line overrides. Each process reads
 the whole file and uses its own section; unknown sections or keys are errors, never silently ignored.
+Every field declares what it accepts next to its default (`rules.py`): a value out of range is an
+error at the process's start, naming the key, not a failure later inside a stage.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import shlex
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nano_miles.run.cli import ArgumentParser, UserError, run
+from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, HOST, MODULE, NON_EMPTY,
+                                  OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K, URL_OR_EMPTY, URLS, above,
+                                  at_least, checked, one_of)
 from nano_miles.wire.control import PAUSE_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -26,26 +32,38 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 DEFAULT_POLICY_DIR = REPO_ROOT / "nano_miles" / "assets" / "policy"  # the shipped small policy
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override that cannot be used; the message names the key."""
 
 
-@dataclass
-class RunConfig:
-    dir: str = "runs/current"        # run directory (relative paths are relative to the repo root)
-    seed: int = 0
-    mode: str = "sync"               # "sync": on-policy, staleness 0; "async": bounded staleness
-    max_staleness: int = 0           # async only: samples older than this many versions are dropped
-    pause_mode: str = "abort"        # engine pause at a weight update: abort (in-flight samples come
-                                     # back partial and are resumed), retract or in_place (kept)
+DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
+LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
+
+
+class Section:
+    """A config section checks every field against its rule (`rules.py`) when it is built, so a value
+    a stage would trip over stops the process at its start; the error names `section.key` (the section
+    is the class name without 'Config'), the value and what is allowed."""
 
     def __post_init__(self):
-        if self.mode not in ("sync", "async"):
-            raise ConfigError(f"run.mode must be 'sync' or 'async', not {self.mode!r}")
-        if self.pause_mode not in PAUSE_MODES:
-            raise ConfigError(f"run.pause_mode must be one of {', '.join(PAUSE_MODES)}, not {self.pause_mode!r}")
-        if self.max_staleness < 0:
-            raise ConfigError("run.max_staleness must be >= 0")
+        for f in dataclasses.fields(self):
+            rule, value = f.metadata["rule"], getattr(self, f.name)
+            if not rule.accepts(value):
+                self.refuse(f.name, rule.allowed, value)
+
+    def refuse(self, key: str, allowed: str, value):
+        section = type(self).__name__.removesuffix("Config").lower()
+        raise ConfigError(f"{section}.{key} must be {allowed}, not {value!r}")
+
+
+@dataclass
+class RunConfig(Section):
+    dir: str = checked("runs/current", NON_EMPTY)     # run directory (relative to the repo root)
+    seed: int = checked(0, at_least(0))
+    mode: str = checked("sync", one_of("sync", "async"))  # sync: on-policy, staleness 0; async: bounded
+    max_staleness: int = checked(0, at_least(0))      # async only: samples this many versions older are dropped
+    pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort (in-flight
+                                                      # samples come back partial, are resumed), retract, in_place
 
     @property
     def effective_max_staleness(self) -> int:
@@ -54,41 +72,37 @@ class RunConfig:
 
 
 @dataclass
-class ModelConfig:
-    path: str = ""                   # a local HF model directory; empty = the shipped small policy
+class ModelConfig(Section):
+    path: str = checked("", ANY_TEXT)  # a local HF model directory; empty = the shipped small policy
 
 
 @dataclass
-class EngineConfig:
-    kind: str = "local"              # "local" (transformers + torch) or "sglang" (GPU)
-    host: str = "127.0.0.1"
-    port: int = 30000
-    device: str = "cpu"
-    dtype: str = "float32"
-    num_threads: int = 1             # torch threads of the local engine
-    mem_fraction_static: float = 0.5 # sglang: share of GPU memory for weights + KV (trainer needs the rest)
-    extra_args: str = ""             # sglang: more server flags, shell-split (e.g. "--attention-backend triton")
-    request_timeout_s: float = 300.0
-    weight_transport: str = "tensor" # "tensor": shared memory / CUDA IPC (same host as the trainer);
-                                     # "distributed": broadcast over a gloo/nccl group (any host)
-    weight_group_backend: str = "gloo"          # "nccl" for GPU engines
-    weight_group_address: str = "127.0.0.1"     # trainer's address as the engines reach it
-    weight_group_port: int = 0                  # 0 = a free local port (single host only)
-    weight_group_timeout_s: float = 120.0
-    urls: list = field(default_factory=list)    # several engines: ["http://h1:30000", ...]; [] = host:port
-    router_url: str = ""             # sglang-router in front of `urls`: generation goes through it
+class EngineConfig(Section):
+    kind: str = checked("local", one_of("local", "sglang"))  # local: transformers + torch; sglang: GPU
+    host: str = checked("127.0.0.1", HOST)
+    port: int = checked(30000, PORT)
+    device: str = checked("cpu", DEVICE)  # the local engine's; SGLang picks its GPU itself
+    dtype: str = checked("float32", one_of(*DTYPES))
+    num_threads: int = checked(1, at_least(1))        # torch threads of the local engine
+    mem_fraction_static: float = checked(0.5, FRACTION)  # sglang: GPU share for weights + KV (rest: trainer)
+    extra_args: str = checked("", SHELL_WORDS)        # sglang: more server flags, shell-split
+                                                      # (e.g. "--attention-backend triton")
+    request_timeout_s: float = checked(300.0, above(0))
+    weight_transport: str = checked("tensor", one_of("tensor", "distributed"))  # tensor: shared memory or
+                                                      # CUDA IPC (same host); distributed: a gloo/nccl group (any host)
+    weight_group_backend: str = checked("gloo", one_of("gloo", "nccl"))  # nccl for GPU engines
+    weight_group_address: str = checked("127.0.0.1", HOST)  # trainer's address as the engines reach it
+    weight_group_port: int = checked(0, PORT_OR_FREE)       # 0 = a free local port (single host only)
+    weight_group_timeout_s: float = checked(120.0, above(0))
+    urls: list = checked([], URLS)   # several engines: ["http://h1:30000", ...]; [] = host:port
+    router_url: str = checked("", URL_OR_EMPTY)       # sglang-router in front of `urls`: generation goes through it
 
     def __post_init__(self):
-        if self.kind not in ("local", "sglang"):
-            raise ConfigError(f"engine.kind must be 'local' or 'sglang', not {self.kind!r}")
-        if self.weight_transport not in ("tensor", "distributed"):
-            raise ConfigError(f"engine.weight_transport must be 'tensor' or 'distributed', "
-                              f"not {self.weight_transport!r}")
-        if self.weight_group_backend not in ("gloo", "nccl"):
-            raise ConfigError("engine.weight_group_backend must be 'gloo' or 'nccl'")
-        if not isinstance(self.urls, list) or not all(isinstance(u, str) and u.startswith("http://")
-                                                      for u in self.urls):
-            raise ConfigError('engine.urls must be a list of "http://host:port" strings')
+        super().__post_init__()
+        if self.kind == "local" and self.dtype not in LOCAL_ENGINE_DTYPES:
+            self.refuse("dtype", f"{' or '.join(LOCAL_ENGINE_DTYPES)} with engine.kind=local", self.dtype)
+        if self.kind == "local" and self.device not in ("cpu", "cuda"):  # CUDA_VISIBLE_DEVICES picks the GPU
+            self.refuse("device", "cpu or cuda with engine.kind=local", self.device)
         if len(self.urls) > 1 and not self.router_url:
             raise ConfigError("engine.urls lists several engines: set engine.router_url for generation")
 
@@ -103,75 +117,67 @@ class EngineConfig:
 
 
 @dataclass
-class TaskConfig:
-    name: str = "nano_miles.tasks.arithmetic"
-    num_train: int = 20000
-    num_test: int = 200
-    seed: int = 0
+class TaskConfig(Section):
+    name: str = checked("nano_miles.tasks.arithmetic", MODULE)  # imported, and its size checked, at stage start
+    num_train: int = checked(20000, at_least(1))
+    num_test: int = checked(200, at_least(1))
+    seed: int = checked(0, at_least(0))
 
 
 @dataclass
-class RolloutConfig:
-    group_size: int = 8              # G samples per prompt
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    control_endpoint: str = "tcp://127.0.0.1:5701"   # REP, bound by the rollout producer
-    max_inflight_groups: int = 16
-    lease_s: float = 60.0            # a group sent but not trained for this long is issued again
-    metrics_port: int = 9101
-
-    def __post_init__(self):
-        if self.group_size < 1 or self.max_new_tokens < 1:
-            raise ConfigError("rollout.group_size and rollout.max_new_tokens must be >= 1")
+class RolloutConfig(Section):
+    group_size: int = checked(8, at_least(1))         # G samples per prompt
+    max_new_tokens: int = checked(48, at_least(1))
+    temperature: float = checked(1.0, at_least(0))    # 0 = greedy
+    top_p: float = checked(1.0, FRACTION)
+    top_k: int = checked(-1, TOP_K)
+    control_endpoint: str = checked("tcp://127.0.0.1:5701", ENDPOINT)  # REP, bound by the rollout producer
+    max_inflight_groups: int = checked(16, at_least(1))
+    lease_s: float = checked(60.0, above(0))          # a group sent but not trained for this long is issued again
+    metrics_port: int = checked(9101, PORT_OR_FREE)
 
 
 @dataclass
-class RewardConfig:
-    fn: str = "nano_miles.tasks.arithmetic:reward"
-    endpoint: str = "tcp://127.0.0.1:5702"          # PULL, bound by the reward stage
-    timeout_s: float = 5.0                          # per-sample budget of the reward function
-    metrics_port: int = 9102
+class RewardConfig(Section):
+    fn: str = checked("nano_miles.tasks.arithmetic:reward", FUNCTION)  # imported at stage start
+    endpoint: str = checked("tcp://127.0.0.1:5702", ENDPOINT)  # PULL, bound by the reward stage
+    timeout_s: float = checked(5.0, above(0))         # per-sample budget of the reward function
+    metrics_port: int = checked(9102, PORT_OR_FREE)
 
 
 @dataclass
-class TrainerConfig:
-    num_steps: int = 240
-    batch_groups: int = 16           # groups (prompts) per optimizer step
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    dual_clip_c: float = 3.0
-    recompute_old_logprobs: bool = False  # pi_old from the trainer (+ truncated IS to the engine's)
-    tis_clip: float = 2.0            # truncation of the importance weight pi_old / pi_engine
-    endpoint: str = "tcp://127.0.0.1:5703"          # PULL, bound by the trainer
-    device: str = "cpu"
-    num_threads: int = 1
-    eval_every: int = 20             # held-out greedy evaluation every N steps (0 = only at the end)
-    checkpoint_every: int = 20
-    control_timeout_s: float = 5.0   # Lazy Pirate: per-try timeout on the control channel
-    control_retries: int = 6
-    metrics_port: int = 9103
-
-    def __post_init__(self):
-        if self.num_steps < 1 or self.batch_groups < 1:
-            raise ConfigError("trainer.num_steps and trainer.batch_groups must be >= 1")
+class TrainerConfig(Section):
+    num_steps: int = checked(240, at_least(1))
+    batch_groups: int = checked(16, at_least(1))      # groups (prompts) per optimizer step
+    lr: float = checked(1e-4, above(0))
+    weight_decay: float = checked(0.0, at_least(0))
+    max_grad_norm: float = checked(1.0, above(0))
+    eps_clip: float = checked(0.2, OPEN_FRACTION)     # ratio floor 1 - eps_clip
+    eps_clip_high: float = checked(0.28, above(0))    # ratio ceiling 1 + eps_clip_high
+    dual_clip_c: float = checked(3.0, above(1))       # for A < 0 the per-token loss is capped at -c * A
+    recompute_old_logprobs: bool = checked(False, BOOL)  # pi_old from the trainer (+ truncated IS to the engine's)
+    tis_clip: float = checked(2.0, above(0))          # truncation of the importance weight pi_old / pi_engine
+    endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
+    device: str = checked("cpu", DEVICE)
+    num_threads: int = checked(1, at_least(1))
+    eval_every: int = checked(20, at_least(0))        # held-out greedy evaluation every N steps (0 = only at the end)
+    checkpoint_every: int = checked(20, at_least(0))  # 0 = only at the end
+    control_timeout_s: float = checked(5.0, above(0))  # Lazy Pirate: per-try timeout on the control channel
+    control_retries: int = checked(6, at_least(1))
+    metrics_port: int = checked(9103, PORT_OR_FREE)
 
 
 @dataclass
-class MetricsConfig:
-    tensorboard: bool = False        # step scalars as TensorBoard events in <run dir>/tensorboard
-    wandb_project: str = ""          # step scalars to Weights & Biases under this project; "" = off
-    plots: bool = True               # PNG plots into the run dir at the end (needs matplotlib)
-    queue_sample_s: float = 1.0      # trainer samples queue depths into queues.jsonl this often; 0 = never
+class MetricsConfig(Section):
+    tensorboard: bool = checked(False, BOOL)          # step scalars as TensorBoard events in <run dir>/tensorboard
+    wandb_project: str = checked("", ANY_TEXT)        # step scalars to Weights & Biases under this project; "" = off
+    plots: bool = checked(True, BOOL)                 # PNG plots into the run dir at the end
+    queue_sample_s: float = checked(1.0, at_least(0))  # queue depths into queues.jsonl this often; 0 = never
 
 
 @dataclass
-class SecurityConfig:
-    curve_dir: str = ""              # ZeroMQ CURVE keys from `python -m nano_miles.run.keys DIR`; "" = plain
+class SecurityConfig(Section):
+    curve_dir: str = checked("", ANY_TEXT)  # ZeroMQ CURVE keys from `python -m nano_miles.run.keys DIR`; "" = plain
 
 
 @dataclass
@@ -291,49 +297,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return Config(**built)
 
 
-def config_from_argv(argv: list[str]) -> tuple[Config, list[str]]:
-    """Split argv into `--config FILE`, `--section.key=value` overrides and the rest."""
-    path, overrides, rest = None, [], []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--config":
-            path = next(it, None)
-            if path is None:
-                raise ConfigError("--config needs a file name")
-        elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            overrides.append(arg)
-        else:
-            rest.append(arg)
-    return load_config(path, overrides), rest
+def is_override(arg: str) -> bool:
+    """`--section.key=value` (a dot in the flag's name), as opposed to an entry point's own flags."""
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
 
 
-def config_or_exit(argv: list[str], prog: str, doc: str) -> tuple[Config, list[str]]:
-    """What every entry point does first: `--help` prints `doc` and exits 0; a bad config prints
-    one line naming the key and exits 2 (a user mistake, never a traceback)."""
-    if "-h" in argv or "--help" in argv:
-        print(doc)
-        sys.exit(0)
-    try:
-        cfg, rest = config_from_argv(argv)
-        if not (cfg.model_dir / "config.json").is_file():
-            raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
-                              "(no config.json there)")
-        return cfg, rest
-    except ConfigError as e:
-        print(f"{prog}: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+def parse_config(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Config, argparse.Namespace]:
+    """What every entry point that reads the config does first: `--config FILE` and the overrides make
+    the Config, every other flag goes through `parser` (which also answers --help). A mistake in any
+    of them raises a UserError naming it (ConfigError is one)."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="the TOML file (default: $NANOMILES_CONFIG, else configs/default.toml)")
+    parser.epilog = ("--section.key=value overrides one key of the config, e.g. --trainer.lr=1e-3\n"
+                     "(python -m nano_miles.run.config prints the merged config)")
+    args, unknown = parser.parse_known_args([a for a in argv if not is_override(a)])
+    # overrides first: in `--trainer.lr 1e-3` the flag is the mistake to name, not the stray value
+    cfg = load_config(args.config, [a for a in argv if is_override(a)])
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    check_paths(cfg)
+    return cfg, args
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg, rest = config_or_exit(sys.argv[1:] if argv is None else argv, "config", __doc__)
-    if rest:
-        print(f"config error: unexpected arguments {rest}", file=sys.stderr)
-        return 2
+def check_paths(cfg: Config) -> None:
+    """Paths a stage would trip over later, looked up on disk (the sections check values only, so a
+    config can be built and printed on a machine without them)."""
+    if not (cfg.model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
+                          "(no config.json there)")
+    if cfg.security.curve_dir and not (Path(cfg.security.curve_dir) / "allowed").is_dir():
+        raise ConfigError(f"security.curve_dir {cfg.security.curve_dir!r} holds no CURVE keys "
+                          "(python -m nano_miles.run.keys DIR makes them)")
+
+
+def main(argv: list[str]) -> int:
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.run.config", description=__doc__))
     print(cfg.to_toml())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "config")

@@ -9,10 +9,11 @@ public key is in DIR/allowed/; connecting stages use the client pair and the ser
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import zmq.auth
+
+from nano_miles.run.cli import ArgumentParser, UserError, run
 
 
 def create_keys(key_dir: str | Path) -> None:
@@ -26,13 +27,15 @@ def create_keys(key_dir: str | Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print(__doc__)
-        return 2
-    create_keys(argv[0])
-    print(f"wrote server and client key pairs to {argv[0]}")
+    parser = ArgumentParser(prog="python -m nano_miles.run.keys", description=__doc__)
+    parser.add_argument("dir", type=Path, help="directory for the key pairs (created, mode 0700)")
+    args = parser.parse_args(argv)
+    if args.dir.exists() and not args.dir.is_dir():
+        raise UserError(f"{args.dir} exists and is not a directory")
+    create_keys(args.dir)
+    print(f"wrote server and client key pairs to {args.dir}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "keys")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from supervisor import childutils
 
+from nano_miles.run.cli import ArgumentParser, run
+
 
 def parse_payload(payload: str) -> dict[str, str]:
     return dict(token.split(":", 1) for token in payload.split() if ":" in token)
@@ -31,7 +33,8 @@ def decide(event: str, fields: dict[str, str]) -> str | None:
     return None
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    ArgumentParser(prog="python -m nano_miles.run.run_end", description=__doc__).parse_args(argv)  # --help
     run_dir = Path(os.environ.get("NANOMILES_RUN_DIR", "."))
     while True:
         childutils.listener.ready(sys.stdout)
@@ -51,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "run_end")

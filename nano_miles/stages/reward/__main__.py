@@ -3,20 +3,20 @@
 Run: python -m nano_miles.stages.reward [--config FILE] [--section.key=value ...]   (usually by supervisord)
 """
 
-import sys
+from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.run.config import config_or_exit
-    cfg, _ = config_or_exit(argv, "reward", __doc__)
+    from nano_miles.run.config import parse_config
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.reward", description=__doc__))
+    from nano_miles.tasks import load_reward_fn, load_tokenizer, make_decoder
+    reward_fn = load_reward_fn(cfg.reward.fn)  # one that does not import: one line, before anything starts
     import zmq
 
     from nano_miles.run.process import setup_process
     from nano_miles.stages.reward.scorer import RewardStage
-    from nano_miles.tasks import load_reward_fn, load_tokenizer, make_decoder
 
     setup_process("reward", cfg, num_threads=1)
-    reward_fn = load_reward_fn(cfg.reward.fn)
     stage = RewardStage(cfg, zmq.Context.instance(), reward_fn, make_decoder(load_tokenizer(cfg.model_dir)))
     try:
         stage.run()
@@ -26,4 +26,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "reward")

@@ -3,24 +3,24 @@
 Run: python -m nano_miles.stages.rollout [--config FILE] [--section.key=value ...]   (usually by supervisord)
 """
 
-import sys
+from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.run.config import config_or_exit
-    cfg, _ = config_or_exit(argv, "rollout", __doc__)
+    from nano_miles.run.config import parse_config
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.rollout", description=__doc__))
+    from nano_miles.tasks import encode_prompts, load_problems, load_tokenizer
+    problems = load_problems(cfg.task, "train")  # a task that cannot serve the config: one line, now
     import zmq
 
     from nano_miles.run.process import setup_process
     from nano_miles.stages.rollout.producer import RolloutProducer
-    from nano_miles.tasks import encode_prompts, load_task, load_tokenizer
 
     setup_process("rollout", cfg)
-    problems = load_task(cfg.task.name).make_problems("train", cfg.task.num_train, cfg.task.seed)
     prompts = encode_prompts(load_tokenizer(cfg.model_dir), problems)
     RolloutProducer(cfg, zmq.Context.instance(), problems, prompts).run()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "rollout")

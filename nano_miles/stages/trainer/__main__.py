@@ -4,12 +4,15 @@ Run: python -m nano_miles.stages.trainer [--config FILE] [--section.key=value ..
 Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
 """
 
-import sys
+from nano_miles.run.cli import ArgumentParser, UserError, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.run.config import config_or_exit
-    cfg, _ = config_or_exit(argv, "trainer", __doc__)
+    from nano_miles.run.config import parse_config
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.trainer", description=__doc__))
+    from nano_miles.tasks import load_problems, load_reward_fn, load_tokenizer
+    # plug-ins that cannot serve the config: one line now, before the heavy imports
+    reward_fn, test_problems = load_reward_fn(cfg.reward.fn), load_problems(cfg.task, "test")
     import logging
 
     import torch
@@ -19,16 +22,19 @@ def main(argv: list[str]) -> int:
     from nano_miles.run.process import setup_process
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
-    from nano_miles.tasks import load_reward_fn, load_tokenizer
     from nano_miles.wire.sockets import ControlTimeout
 
+    device = torch.device(cfg.trainer.device)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"trainer.device is {cfg.trainer.device!r}, but torch {torch.__version__} sees "
+                        f"{torch.cuda.device_count()} CUDA devices here")
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
     (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     model.to(cfg.trainer.device)
     tokenizer = load_tokenizer(cfg.model_dir)
-    evaluator = make_evaluator(cfg, tokenizer, load_reward_fn(cfg.reward.fn))
+    evaluator = make_evaluator(cfg, test_problems, tokenizer, reward_fn)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
         Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
@@ -39,4 +45,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "trainer")

@@ -6,12 +6,11 @@ Library module used by the trainer, which evaluates through the engine (the weig
 from __future__ import annotations
 
 from nano_miles.run.config import Config
-from nano_miles.tasks import encode_prompts, load_task, make_decoder
+from nano_miles.tasks import encode_prompts, make_decoder
 
 
-def make_evaluator(cfg: Config, tokenizer, reward_fn):
-    """A function engine -> greedy accuracy on the held-out split, in one batched /generate call."""
-    problems = load_task(cfg.task.name).make_problems("test", cfg.task.num_test, cfg.task.seed)
+def make_evaluator(cfg: Config, problems, tokenizer, reward_fn):
+    """A function engine -> greedy accuracy on the held-out `problems`, in one batched /generate call."""
     prompts = encode_prompts(tokenizer, problems)
     decode = make_decoder(tokenizer)
     params = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": 0.0}

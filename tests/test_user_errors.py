@@ -1,0 +1,107 @@
+"""Every entry point, run as a real process: a user's mistake is one line on stderr and a non-zero exit,
+never a traceback; `--help` explains and does nothing else (exit 0, no file written)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.servers import REPO_ROOT, free_port
+
+# every `python -m` entry point of the project
+ENTRY_POINTS = {
+    "rollout": "nano_miles.stages.rollout", "reward": "nano_miles.stages.reward",
+    "trainer": "nano_miles.stages.trainer", "engine": "nano_miles.engine",
+    "top": "nano_miles.observe.top", "status": "nano_miles.observe.status",
+    "report": "nano_miles.observe.report", "config": "nano_miles.run.config", "keys": "nano_miles.run.keys",
+    "run_end": "nano_miles.run.run_end", "policy": "nano_miles.policy", "fsdp_step": "harness.fsdp_step",
+}
+READS_CONFIG = ("rollout", "reward", "trainer", "engine", "top", "status", "config")
+TIMEOUT_S = 30  # each case fails before anything heavy is imported: well under a second
+
+
+def run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m <entry point> args` in an empty directory. A config reader also gets a private
+    run dir, sockets and ports: were a mistake to slip through, the stage would disturb nothing."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    private = []
+    if name in READS_CONFIG:
+        private = [f"--run.dir={tmp_path / 'run'}", f"--engine.port={free_port()}",
+                   f"--rollout.control_endpoint=ipc://{tmp_path}/control",
+                   f"--reward.endpoint=ipc://{tmp_path}/reward", f"--trainer.endpoint=ipc://{tmp_path}/trainer",
+                   "--rollout.metrics_port=0", "--reward.metrics_port=0", "--trainer.metrics_port=0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)  # harness/ is not installed
+    return subprocess.run([sys.executable, "-m", ENTRY_POINTS[name], *private, *args], cwd=cwd, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help_explains_and_does_nothing_else(tmp_path, name):
+    result = run(tmp_path, name, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m ") and result.stderr == ""
+    assert not list((tmp_path / "cwd").iterdir()) and not (tmp_path / "run").exists()
+
+
+# (entry point, arguments, what the one line must name)
+MISTAKES = [
+    *[(name, ["--bogus"], "--bogus") for name in ENTRY_POINTS if name not in ("policy", "keys", "fsdp_step")],
+    ("policy", ["build", "--out", "policy", "--bogus"], "--bogus"),
+    ("keys", ["keys", "--bogus"], "--bogus"),
+    ("fsdp_step", ["out.pt", "--bogus"], "--bogus"),
+    ("policy", [], "command"),
+    ("policy", ["eval", "--model", "nowhere"], "nowhere"),
+    ("policy", ["build", "--out", "policy", "--device", "tpu"], "tpu"),
+    ("keys", [], "dir"),
+    ("fsdp_step", [], "out"),
+    ("report", ["nowhere"], "nowhere"),
+    ("top", ["--interval-s", "abc"], "--interval-s"),
+    ("top", ["--interval-s", "-1"], "--interval-s"),
+    ("top", ["--config"], "--config"),
+    ("config", ["--config", "nowhere.toml"], "nowhere.toml"),
+    ("config", ["--trainer.lr", "1e-3"], "--trainer.lr"),
+    ("config", ["--trainer.lr=fast"], "trainer.lr"),
+    ("config", ["--trainer.bogus=1"], "bogus"),
+    ("engine", ["--model.path=nowhere"], "model.path"),
+    # values the config took before and a stage then tripped over, far from the flag
+    ("trainer", ["--trainer.lr=-1"], "trainer.lr"),
+    ("rollout", ["--rollout.temperature=-3"], "rollout.temperature"),
+    ("trainer", ["--trainer.device=tpu"], "trainer.device"),
+    ("engine", ["--engine.dtype=fp8"], "engine.dtype"),
+    ("engine", ["--engine.kind=local", "--engine.dtype=float16"], "engine.dtype"),
+    # plug-ins: imported, and the task's size checked, when the stage starts
+    ("reward", ["--reward.fn=nope.mod:fn"], "reward.fn"),
+    ("trainer", ["--reward.fn=nano_miles.tasks.arithmetic:nope"], "reward.fn"),
+    ("rollout", ["--task.name=nope.task"], "task.name"),
+    ("trainer", ["--task.name=nope.task"], "task.name"),
+    ("rollout", ["--task.num_train=999999"], "task.num_train"),
+    ("trainer", ["--task.num_test=999999"], "task.num_test"),
+    ("reward", ["--security.curve_dir=nowhere"], "security.curve_dir"),
+]
+
+
+@pytest.mark.parametrize("name, args, named", MISTAKES, ids=[f"{m[0]} {' '.join(m[1])}" for m in MISTAKES])
+def test_a_mistake_is_one_line_naming_it(tmp_path, name, args, named):
+    result = run(tmp_path, name, *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and named in result.stderr, result.stderr
+    assert result.stderr.startswith(f"{name}: ") and result.stdout == ""
+    assert not list((tmp_path / "cwd").iterdir())
+
+
+def test_a_device_this_machine_lacks_is_one_line(tmp_path):
+    import torch
+    result = run(tmp_path, "trainer", f"--trainer.device=cuda:{torch.cuda.device_count()}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("trainer: trainer.device is 'cuda:") and len(result.stderr.splitlines()) == 1
+
+
+def test_status_with_nothing_running_prints_only_its_table(tmp_path):
+    """A stage that is down is no mistake: status says so in its table (exit 1) and logs nothing."""
+    result = run(tmp_path, "status")
+    assert result.returncode == 1 and result.stderr == "", result.stderr
+    assert [line.split()[:2] for line in result.stdout.splitlines()] == [
+        ["engine", "DOWN"], ["rollout", "DOWN"], ["reward", "DOWN"], ["trainer", "DOWN"]]
