@@ -81,6 +81,44 @@ class SupervisedRun:
     def metrics(self) -> list[dict]:
         return read_jsonl(self.run_dir / "metrics.jsonl")
 
+    def steps(self) -> dict[int, dict]:
+        """The last record of each step: steps re-done after a trainer restart replace the lost ones."""
+        return {r["step"]: r for r in self.metrics()}
+
+    def wait_for_step(self, step: int, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while max(self.steps(), default=0) < step:
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.tail()
+            time.sleep(0.1)
+
+    def stage_pid(self, stage: str, timeout_s: float = 60) -> int:
+        """The pid of a RUNNING stage (waits while supervisord restarts it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the run ended while waiting for {stage}"
+            if "RUNNING" in self.ctl("status", f"nanomiles:{stage}"):
+                pid = self.ctl("pid", f"nanomiles:{stage}").strip()
+                if pid.isdigit() and int(pid) > 0:
+                    return int(pid)
+            time.sleep(0.2)
+        raise AssertionError(f"{stage} did not come back:\n{self.tail()}")
+
+    def kill(self, stage: str, timeout_s: float = 300) -> dict:
+        """SIGKILL a stage; return how long until it ran again (`restarted_s`), until a step newer than
+        the last one before the kill was done (`next_step_s`), and that step's record."""
+        pid = self.stage_pid(stage)
+        last_step = max(self.steps(), default=0)
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        while self.stage_pid(stage) == pid:
+            time.sleep(0.1)
+        back_s = time.monotonic() - started
+        while max(self.steps(), default=0) <= last_step and self.proc.poll() is None:
+            assert time.monotonic() - started < timeout_s, f"no progress after killing {stage}:\n{self.tail()}"
+            time.sleep(0.1)
+        return {"stage": stage, "restarted_s": back_s, "next_step_s": time.monotonic() - started,
+                "next_step": self.steps().get(last_step + 1)}
+
     def summary(self) -> dict:
         return json.loads((self.run_dir / "summary.json").read_text())
 

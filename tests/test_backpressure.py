@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from test_chaos import CHAOS, stage_pid, surviving_steps
+from test_chaos import CHAOS
 
 from harness.supervised_run import SupervisedRun
 from nano_miles.observe.metrics import HOP_REWARD
@@ -22,8 +22,8 @@ from nano_miles.run.identity import read_run_identity
 from nano_miles.wire.codec import MAX_MESSAGE_BYTES
 from nano_miles.wire.sockets import ControlClient, make_socket
 
-# the chaos config with the default 60 s lease: a 20 s stop must not look like lost groups
-SHORT = [o for o in CHAOS if not o.startswith(("--rollout.lease_s", "--trainer.num_steps"))]
+# the chaos config (default 60 s lease): a 20 s stop must not look like lost groups
+SHORT = [o for o in CHAOS if not o.startswith("--trainer.num_steps")]
 STOP_S = 20.0
 MAX_GROWTH_BYTES = 50 * 1024 * 1024
 
@@ -35,18 +35,11 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def wait_for_step(run: SupervisedRun, step: int, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while max(surviving_steps(run), default=0) < step:
-        assert time.monotonic() < deadline and run.proc.poll() is None, run.tail()
-        time.sleep(0.2)
-
-
 def check_ledger(run: SupervisedRun, num_steps: int) -> dict:
     ledger = json.loads((run.run_dir / "ledger.json").read_text())
     assert ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0, {k: v for k, v in ledger.items()
                                                                           if k != "prompts"}
-    assert sorted(surviving_steps(run)) == list(range(1, num_steps + 1))
+    assert sorted(run.steps()) == list(range(1, num_steps + 1))
     return ledger
 
 
@@ -58,10 +51,10 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
     ctx = zmq.Context()
     samples = []
     try:
-        wait_for_step(run, 3)
+        run.wait_for_step(3)
         run_id, _ = read_run_identity(run.run_dir)  # the producer answers only its own run
         producer = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=run_id, timeout_s=2.0, retries=3)
-        pids = {stage: stage_pid(run, stage) for stage in ("rollout", "reward")}
+        pids = {stage: run.stage_pid(stage) for stage in ("rollout", "reward")}
         assert "stopped" in run.ctl("stop", "nanomiles:trainer")
         started = time.monotonic()
         while time.monotonic() - started < STOP_S:
@@ -80,7 +73,7 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
         assert "DOWN" in lines["trainer"] and "version gate" in lines["rollout"], out.stdout
         assert " up " in lines["engine"] and " up " in lines["reward"], out.stdout
         assert "STOPPED" in out.stdout and "RUNNING" in out.stdout, out.stdout
-        assert {stage: stage_pid(run, stage) for stage in pids} == pids, "a stage restarted under backpressure"
+        assert {stage: run.stage_pid(stage) for stage in pids} == pids, "a stage restarted under backpressure"
         assert "started" in run.ctl("start", "nanomiles:trainer")
         assert run.wait(timeout_s=600) == 0, run.tail()
     finally:
@@ -107,7 +100,7 @@ def test_junk_in_the_pull_sockets_is_counted_and_the_run_completes(tmp_path):
     ctx = zmq.Context()
     junk = [b"", b"\x00" * 7, b"\xc1garbage", b"\x81\xa1v\x01", bytes(MAX_MESSAGE_BYTES + 1)]
     try:
-        wait_for_step(run, 1)
+        run.wait_for_step(1)
         for endpoint in (cfg.reward.endpoint, cfg.trainer.endpoint):
             push = make_socket(ctx, zmq.PUSH, endpoint, bind=False, send_timeout_ms=10_000)
             for data in junk:

@@ -1,9 +1,7 @@
 """Crash-only: SIGKILL any stage at any time under the real supervisord; nothing is lost or trained twice."""
 
 import json
-import os
 import random
-import signal
 import time
 
 import pytest
@@ -13,40 +11,7 @@ from harness.supervised_run import SupervisedRun
 STAGES = ("engine", "rollout", "reward", "trainer")
 CHAOS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.group_size=4",
          "--trainer.eval_every=0", "--task.num_test=10", "--trainer.checkpoint_every=3",
-         "--rollout.lease_s=8", "--trainer.control_timeout_s=2", "--trainer.control_retries=2"]
-
-
-def stage_pid(run: SupervisedRun, stage: str, timeout_s: float = 60) -> int:
-    """The pid of a RUNNING stage (waits while supervisord restarts it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert run.proc.poll() is None, f"the run ended while waiting for {stage}"
-        if "RUNNING" in run.ctl("status", f"nanomiles:{stage}"):
-            pid = run.ctl("pid", f"nanomiles:{stage}").strip()
-            if pid.isdigit() and int(pid) > 0:
-                return int(pid)
-        time.sleep(0.2)
-    raise AssertionError(f"{stage} did not come back:\n{run.tail()}")
-
-
-def kill(run: SupervisedRun, stage: str) -> dict:
-    """SIGKILL a stage; return how long until it ran again and until training made progress."""
-    pid = stage_pid(run, stage)
-    last_step = max(surviving_steps(run), default=0)
-    os.kill(pid, signal.SIGKILL)
-    started = time.monotonic()
-    while stage_pid(run, stage) == pid:
-        time.sleep(0.1)
-    back_s = time.monotonic() - started
-    while max(surviving_steps(run), default=0) <= last_step and run.proc.poll() is None:
-        assert time.monotonic() - started < 300, f"no progress after killing {stage}:\n{run.tail()}"
-        time.sleep(0.1)
-    return {"stage": stage, "restarted_s": back_s, "next_step_s": time.monotonic() - started}
-
-
-def surviving_steps(run: SupervisedRun) -> dict[int, dict]:
-    """The last record of each step: steps re-done after a trainer restart replace the lost ones."""
-    return {r["step"]: r for r in run.metrics()}
+         "--trainer.control_timeout_s=2", "--trainer.control_retries=2"]
 
 
 @pytest.mark.slow
@@ -57,12 +22,12 @@ def test_kill_every_stage_twice_and_lose_nothing(tmp_path):
     run = SupervisedRun(tmp_path / "run", CHAOS).start()
     restarts = []
     try:
-        stage_pid(run, "trainer")
+        run.stage_pid("trainer")
         for stage in victims:
             time.sleep(rng.uniform(0.5, 2.5))
             if run.proc.poll() is not None:
                 break
-            restarts.append(kill(run, stage))
+            restarts.append(run.kill(stage))
         assert len(restarts) == len(victims), f"run ended before all kills: {restarts}"
         assert run.wait(timeout_s=900) == 0, run.tail()
     finally:
@@ -72,7 +37,7 @@ def test_kill_every_stage_twice_and_lose_nothing(tmp_path):
     ledger = json.loads((run.run_dir / "ledger.json").read_text())
     assert ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0, ledger
     assert ledger["num_trained_once"] == 80 * 8
-    steps = surviving_steps(run)
+    steps = run.steps()
     assert sorted(steps) == list(range(1, 81))
     ids = [g for r in steps.values() for g in r["group_ids"]]
     assert len(ids) == len(set(ids)) == 640, "a group was trained twice in the final model"
@@ -89,17 +54,17 @@ def test_trainer_killed_between_weight_push_and_checkpoint(tmp_path):
                                                       "--trainer.checkpoint_every=4"]).start()
     try:
         deadline = time.monotonic() + 300
-        while max(surviving_steps(run), default=0) < 6:  # weights v6 pushed; newest checkpoint is 4
+        while max(run.steps(), default=0) < 6:  # weights v6 pushed; newest checkpoint is 4
             assert time.monotonic() < deadline and run.proc.poll() is None, run.tail()
             time.sleep(0.05)
-        before = surviving_steps(run)
-        kill(run, "trainer")
+        before = run.steps()
+        run.kill("trainer")
         assert run.wait(timeout_s=600) == 0, run.tail()
     finally:
         run.stop()
     trainer_log = (run.run_dir / "trainer.log").read_text()
     assert "resumed from step_000004" in trainer_log
-    after = surviving_steps(run)
+    after = run.steps()
     assert sorted(after) == list(range(1, 13))
     for step in range(1, 5):  # checkpointed history is kept as it was
         assert after[step]["group_ids"] == before[step]["group_ids"]

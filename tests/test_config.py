@@ -9,7 +9,6 @@ import pytest
 from nano_miles.engine.launch import engine_command
 from nano_miles.run.cli import ArgumentParser
 from nano_miles.run.config import Config, ConfigError, load_config, parse_config
-from nano_miles.run.run_end import decide, parse_payload
 
 
 def test_layers_and_types(tmp_path, monkeypatch):
@@ -126,14 +125,6 @@ def test_sglang_gets_the_configured_dtype(tmp_path, dtype):
     sg = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
                                                f"--engine.dtype={dtype}"]))
     assert sg[sg.index("--dtype") + 1] == dtype
-
-
-def test_run_end_listener_decisions():
-    assert decide("PROCESS_STATE_EXITED", parse_payload("processname:trainer groupname:nanomiles "
-                                                        "from_state:RUNNING expected:1 pid:3")) == "done"
-    assert decide("PROCESS_STATE_EXITED", parse_payload("processname:trainer expected:0 pid:3")) is None
-    assert decide("PROCESS_STATE_EXITED", parse_payload("processname:reward expected:1 pid:3")) is None
-    assert "engine" in decide("PROCESS_STATE_FATAL", parse_payload("processname:engine from_state:BACKOFF"))
 
 
 def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):

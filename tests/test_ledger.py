@@ -85,3 +85,11 @@ def test_every_prompt_once_under_random_failures():
         ledger.expire(now)
     positions = sorted(position_of(g, ledger.num_items) for g in trained_at)
     assert positions[:100] == list(range(100))  # no prompt skipped below the frontier
+
+
+def test_a_refused_id_this_producer_never_issued_is_not_issued():
+    ledger = Ledger(num_items=10_000, lease_s=60)
+    issue(ledger, 2)
+    ledger.on_dropped(["e0-i5000", "e0-i1"])  # a stray message's id, and one of ours
+    assert issue(ledger, 2) == ["e0-i1", "e0-i2"]
+    assert ledger.cursor == 3

@@ -64,6 +64,8 @@ class RunConfig(Section):
     max_staleness: int = checked(0, at_least(0))      # async only: samples this many versions older are dropped
     pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort (in-flight
                                                       # samples come back partial, are resumed), retract, in_place
+    hang_timeout_s: float = checked(120.0, at_least(0))  # a stage whose loop has not beaten for this long
+                                                      # is restarted (0 = never); above its longest step
 
     @property
     def effective_max_staleness(self) -> int:

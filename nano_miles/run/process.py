@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 
+from nano_miles.run import liveness
 from nano_miles.run.config import Config
 
 PR_SET_PDEATHSIG = 1
@@ -27,6 +28,7 @@ def setup_process(name: str, cfg: Config, *, num_threads: int | None = None,
     """Logging to stderr (supervisord files it), run dir, thread count; `is_log_copied` also
     writes the log to <run dir>/<name>.log (for a stage whose stderr goes to the terminal)."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    liveness.start(cfg.run_dir, name)
     handlers = [logging.StreamHandler(sys.stderr)]
     if is_log_copied:
         handlers.append(logging.FileHandler(cfg.run_dir / f"{name}.log"))

@@ -1,41 +1,106 @@
-"""supervisord event listener that ends the run: on the trainer's clean exit, or a stage given up on.
+"""supervisord event listener that watches the run: ends it when training is done or a stage cannot be
+kept running, and restarts a stage that hangs.
 
 Run by supervisord as `[eventlistener:run_end]` (see supervisord.conf); not meant to be run by hand.
 
-When the trainer exits with an expected code, training is done: the listener asks supervisord to
-shut down, so `supervisord -c supervisord.conf` returns by itself. When any stage enters FATAL
-(it kept dying faster than supervisord's start retries), the run cannot go on: the listener writes
-`FAILED` with the reason into the run directory and shuts down too.
+* The trainer exits with an expected code: training is done; supervisord is asked to shut down, so
+  `supervisord -c supervisord.conf` returns by itself.
+* A stage cannot be kept running: it entered FATAL (it died faster than supervisord's `startsecs`),
+  or it exited MAX_QUICK_CRASHES times in a row within CRASH_WINDOW_S of starting (a stage that loads
+  a model outlives `startsecs` before it fails, and supervisord would restart it forever). The listener
+  writes `FAILED` naming the stage into the run directory and shuts the run down.
+* A stage hangs: on each TICK_5 it reads the stages' heartbeats (`nano_miles/run/liveness.py`); a stage
+  whose loop has not beaten for `run.hang_timeout_s` gets SIGKILL through supervisord's XML-RPC
+  interface, and supervisord starts it again. Each such restart is logged here and appended to
+  `<run dir>/events.jsonl`. A stage is judged only after its loop has beaten once (loading a large
+  model is slow, not hung).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
-from supervisor import childutils
-
 from nano_miles.run.cli import ArgumentParser, run
+
+CRASH_WINDOW_S = 30.0   # an exit this soon after its start counts as a crash on start
+MAX_QUICK_CRASHES = 5   # this many in a row: the stage cannot run (a chaos test kills up to 3 in a row)
+GROUP = "nanomiles"
+WATCHED = ("rollout", "reward", "trainer")  # stages that beat (the engine is SGLang's or ours: no beat)
 
 
 def parse_payload(payload: str) -> dict[str, str]:
     return dict(token.split(":", 1) for token in payload.split() if ":" in token)
 
 
-def decide(event: str, fields: dict[str, str]) -> str | None:
-    """The reason to end the run for this event, or None to keep going."""
-    name = fields.get("processname", "")
-    if event == "PROCESS_STATE_EXITED" and name == "trainer" and fields.get("expected") == "1":
-        return "done"
-    if event == "PROCESS_STATE_FATAL":
-        return f"failed: {name} could not be kept running"
-    return None
+class RunWatch:
+    """What the listener decides, apart from the supervisord plumbing (so tests drive it directly)."""
+
+    def __init__(self, run_dir: Path, hang_timeout_s: float, supervisor=None):
+        self.run_dir, self.hang_timeout_s, self.supervisor = run_dir, hang_timeout_s, supervisor
+        self.started_at: dict[str, float] = {}
+        self.quick_crashes: dict[str, int] = {}
+        self.killed_for_hang: set[str] = set()
+
+    def on_event(self, event: str, fields: dict[str, str], now: float) -> str | None:
+        """The reason to end the run for this event, or None to keep going."""
+        name = fields.get("processname", "")
+        if event == "PROCESS_STATE_STARTING":
+            self.started_at[name] = now
+        elif event == "PROCESS_STATE_EXITED":
+            if name == "trainer" and fields.get("expected") == "1":
+                return "done"
+            if name in self.killed_for_hang:  # our own restart, not the stage's failure
+                self.killed_for_hang.discard(name)
+                return None
+            is_quick = now - self.started_at.get(name, now) < CRASH_WINDOW_S
+            self.quick_crashes[name] = self.quick_crashes.get(name, 0) + 1 if is_quick else 0
+            if self.quick_crashes[name] >= MAX_QUICK_CRASHES:
+                return (f"failed: {name} exited {self.quick_crashes[name]} times in a row within "
+                        f"{CRASH_WINDOW_S:.0f}s of starting; see {name}.log")
+        elif event == "PROCESS_STATE_FATAL":
+            return f"failed: {name} could not be kept running; see {name}.log"
+        elif event.startswith("TICK") and self.hang_timeout_s > 0:
+            self.restart_hung(now)
+        return None
+
+    def restart_hung(self, now: float) -> None:
+        from nano_miles.run.liveness import read_heartbeat
+        for stage in WATCHED:
+            info = self.supervisor.getProcessInfo(f"{GROUP}:{stage}")
+            beat = read_heartbeat(self.run_dir, stage)
+            if info["statename"] != "RUNNING" or beat is None or beat.get("pid") != info["pid"] \
+                    or beat.get("waiting_for") == "starting":
+                continue
+            silent_s = now - float(beat["time"])
+            if silent_s <= self.hang_timeout_s:
+                continue
+            self.killed_for_hang.add(stage)
+            self.supervisor.signalProcess(f"{GROUP}:{stage}", "KILL")
+            event = {"time": now, "event": "hang_restart", "stage": stage, "silent_s": round(silent_s, 1),
+                     "waiting_for": beat.get("waiting_for", "")}
+            log(f"{stage} has not beaten for {silent_s:.0f}s (> run.hang_timeout_s={self.hang_timeout_s:g}); "
+                f"restarting it")
+            with open(self.run_dir / "events.jsonl", "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+
+def log(line: str) -> None:
+    sys.stderr.write(f"{time.strftime('%H:%M:%S')} run_end: {line}\n")
+    sys.stderr.flush()
 
 
 def main(argv: list[str]) -> int:
     ArgumentParser(prog="python -m nano_miles.run.run_end", description=__doc__).parse_args(argv)  # --help
-    run_dir = Path(os.environ.get("NANOMILES_RUN_DIR", "."))
+    from supervisor import childutils
+
+    from nano_miles.run.config import load_config
+    cfg = load_config()  # the run's config: $NANOMILES_CONFIG and $NANOMILES_OVERRIDES
+    rpc = childutils.getRPCInterface(os.environ).supervisor
+    watch = RunWatch(Path(os.environ.get("NANOMILES_RUN_DIR", cfg.run_dir)), cfg.run.hang_timeout_s, rpc)
     while True:
         childutils.listener.ready(sys.stdout)
         line = sys.stdin.readline()
@@ -43,13 +108,12 @@ def main(argv: list[str]) -> int:
             return 0  # supervisord closed our stdin: it is shutting down
         headers = childutils.get_headers(line)
         payload = sys.stdin.read(int(headers["len"]))
-        reason = decide(headers["eventname"], parse_payload(payload))
+        reason = watch.on_event(headers["eventname"], parse_payload(payload), time.time())
         if reason is not None:
             if reason != "done":
-                (run_dir / "FAILED").write_text(reason + "\n")
-            sys.stderr.write(f"run_end: {reason}; shutting supervisord down\n")
-            sys.stderr.flush()
-            childutils.getRPCInterface(os.environ).supervisor.shutdown()
+                (watch.run_dir / "FAILED").write_text(reason + "\n")
+            log(f"{reason}; shutting supervisord down")
+            rpc.shutdown()
         childutils.listener.ok(sys.stdout)
 
 

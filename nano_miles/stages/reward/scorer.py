@@ -22,6 +22,7 @@ import zmq
 
 from nano_miles.algo.grpo import group_advantages
 from nano_miles.observe.metrics import RewardMetrics
+from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.stages.reward.worker import REASONS, RewardFailure, RewardWorker
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
@@ -87,6 +88,7 @@ class RewardStage:
         """PUSH blocks at its HWM while the trainer is down or busy (backpressure); say so while waiting."""
         started = time.monotonic()
         while not self.push.poll(int(log_every_s * 1000), zmq.POLLOUT):
+            liveness.beat("the trainer to take a scored group")
             log.info("waiting for the trainer to take a scored group (%.0fs)", time.monotonic() - started)
         self.push.send(data)
 
@@ -96,6 +98,7 @@ class RewardStage:
     def run(self) -> None:
         log.info("scoring groups from %s", self.pull.getsockopt_string(zmq.LAST_ENDPOINT))
         while True:
+            liveness.beat("rollout groups")
             if self.pull.poll(10_000, zmq.POLLIN):
                 self.handle(self.pull.recv())
             else:

@@ -72,9 +72,11 @@ class Ledger:
             self.trained.add(group_id)
 
     def on_dropped(self, group_ids: list[str]) -> None:
-        """The trainer refused these (stale, from future weights, malformed...): issue them again."""
+        """The trainer refused these (stale, from future weights...): issue them again. Only groups out
+        from here: an id this producer never issued (a stray message) must not enter the dataset order."""
         for group_id in group_ids:
-            self._queue_again(group_id)
+            if group_id in self.outstanding:
+                self._queue_again(group_id)
 
     def on_dropped_for_good(self, group_id: str, reason: str) -> None:
         """A group that can never succeed (the engine refuses its prompt): out of the run, with why."""

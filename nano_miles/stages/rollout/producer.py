@@ -30,6 +30,7 @@ import zmq
 from nano_miles.engine.client import EngineError, parse_output, token_versions
 from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import RolloutMetrics
+from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.stages.rollout.ledger import Ledger
 from nano_miles.wire.control import ProducerStatus, RestoreState
@@ -288,6 +289,7 @@ class RolloutProducer:
         poller.register(self.push_events, zmq.POLLIN)
         next_expiry_s = 0.0
         while True:
+            liveness.beat()
             events = dict(poller.poll(int(poll_s * 1000)))
             if self.wake_r in events:
                 os.read(self.wake_r, 4096)

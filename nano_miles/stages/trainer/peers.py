@@ -18,6 +18,7 @@ import zmq
 
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.engine.group import make_engine
+from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.broadcast_sender import BroadcastSender
@@ -69,6 +70,7 @@ class Peers:
             except ControlTimeout:
                 if time.monotonic() > deadline:
                     raise
+                liveness.beat("the rollout producer")
                 log.warning("waiting for the rollout producer at %s (%s)", self.cfg.rollout.control_endpoint, cmd)
         status = ProducerStatus.from_result(result)
         if self.control.is_server_restarted:
@@ -98,7 +100,18 @@ class Peers:
                 if time.monotonic() > deadline:
                     raise
                 log.warning("engine failed during %s (%s); waiting for it", what, e)
-                self.engine.wait_until_healthy(max(1.0, deadline - time.monotonic()))
+                self.wait_for_engine(max(1.0, deadline - time.monotonic()))
+
+    def wait_for_engine(self, timeout_s: float) -> None:
+        """Until the engine answers /health; beating meanwhile: waiting for a peer is not a hang."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            liveness.beat("the engine")
+            try:
+                return self.engine.wait_until_healthy(min(10.0, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
 
     def update_weights(self, model, version: int, *, tell_producer: bool = True) -> float:
         """pause -> push weights tagged `version` -> resume; returns seconds taken.

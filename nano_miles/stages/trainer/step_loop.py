@@ -25,6 +25,7 @@ from nano_miles.algo.loss import LossConfig, ppo_loss, truncated_is_weights
 from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
                                            step_phases, summarize)
+from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.run.identity import ensure_run_identity
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, save_checkpoint
@@ -73,6 +74,7 @@ class Trainer:
             self.state.evals.append(self.evaluate())
         while self.step < self.cfg.trainer.num_steps:
             self.state.step += 1
+            liveness.beat()
             started = time.perf_counter()
             groups, wait_s = self.pull_batch()
             stats = self.optimize(groups)
@@ -120,7 +122,7 @@ class Trainer:
 
     def connect(self) -> None:
         """Handshake: engine healthy and serving our weights, producer restored and resumed."""
-        self.peers.engine.wait_until_healthy(600)
+        self.peers.wait_for_engine(600)
         self.peers.update_weights(self.model, self.state.version, tell_producer=False)
         self.peers.request("status")
         self.peers.restore()
@@ -160,6 +162,7 @@ class Trainer:
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
+            liveness.beat("scored groups")
             if not self.pull.poll(1000, zmq.POLLIN):
                 waited = time.perf_counter() - started
                 if waited > PULL_TIMEOUT_S:

@@ -1,0 +1,40 @@
+"""The run's watch (the supervisord event listener): when a run ends, when a stage is given up on.
+
+Run: `pytest tests/test_run_watch.py`. The hang restart itself runs under the real supervisord in
+tests/test_hardening.py; here the decisions are driven event by event.
+"""
+
+from nano_miles.run.run_end import CRASH_WINDOW_S, MAX_QUICK_CRASHES, RunWatch, parse_payload
+
+
+def event(watch: RunWatch, name: str, payload: str, now: float):
+    return watch.on_event(name, parse_payload(payload), now)
+
+
+def test_the_trainers_clean_exit_ends_the_run_and_fatal_fails_it(tmp_path):
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    assert event(watch, "PROCESS_STATE_EXITED", "processname:trainer groupname:nanomiles from_state:RUNNING "
+                 "expected:1 pid:3", 100.0) == "done"
+    assert event(watch, "PROCESS_STATE_EXITED", "processname:reward expected:1 pid:3", 100.0) is None
+    assert "engine" in event(watch, "PROCESS_STATE_FATAL", "processname:engine from_state:BACKOFF", 100.0)
+
+
+def test_a_stage_that_keeps_crashing_soon_after_start_is_given_up_on(tmp_path):
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    now = 1000.0
+    for i in range(MAX_QUICK_CRASHES):
+        assert event(watch, "PROCESS_STATE_STARTING", "processname:trainer", now) is None
+        now += CRASH_WINDOW_S / 3  # loads its model, outlives supervisord's startsecs, then dies
+        reason = event(watch, "PROCESS_STATE_EXITED", "processname:trainer expected:0 pid:7", now)
+        assert (reason is None) == (i < MAX_QUICK_CRASHES - 1)
+    assert reason.startswith("failed: trainer exited 5 times in a row") and "trainer.log" in reason
+
+
+def test_kills_of_a_stage_that_ran_a_while_are_not_a_crash_loop(tmp_path):
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    now = 1000.0
+    for i in range(3 * MAX_QUICK_CRASHES):
+        event(watch, "PROCESS_STATE_STARTING", "processname:reward", now)
+        # every third run lasts: a run that lasted resets the count
+        now += 2 * CRASH_WINDOW_S if i % 3 == 2 else 1.0
+        assert event(watch, "PROCESS_STATE_EXITED", "processname:reward expected:0 pid:7", now) is None
