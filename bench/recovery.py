@@ -44,7 +44,8 @@ def measure(overrides: list[str], root: Path) -> list[dict]:
     step_s = statistics.median(r["step_s"] for r in run.steps().values())
     for k in kills:
         first = k.pop("next_step") or {}
-        k.update(step_s=step_s, next_step_in_steps=k["next_step_s"] / step_s, first_step_wait_s=first.get("wait_s"))
+        k.update(step_s=step_s, next_step_in_steps=k["next_step_s"] / step_s,
+                 first_step_wait_s=first.get("wait_s"))
     return kills
 
 

@@ -49,7 +49,7 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
     run = SupervisedRun(tmp_path / "run", SHORT + [f"--trainer.num_steps={num_steps}"]).start()
     cfg = load_config(overrides=run.overrides)
     ctx = zmq.Context()
-    samples = []
+    samples, producer = [], None
     try:
         run.wait_for_step(3)
         run_id, _ = read_run_identity(run.run_dir)  # the producer answers only its own run
@@ -71,13 +71,15 @@ def test_stopped_trainer_holds_the_pipeline_in_bounded_memory(tmp_path):
         assert out.returncode == 1, out.stdout + out.stderr  # the trainer is down
         lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip()}
         assert "DOWN" in lines["trainer"] and "version gate" in lines["rollout"], out.stdout
+        assert "heartbeat" in lines["rollout"] and "heartbeat" in lines["reward"], out.stdout
         assert " up " in lines["engine"] and " up " in lines["reward"], out.stdout
         assert "STOPPED" in out.stdout and "RUNNING" in out.stdout, out.stdout
         assert {stage: run.stage_pid(stage) for stage in pids} == pids, "a stage restarted under backpressure"
         assert "started" in run.ctl("start", "nanomiles:trainer")
         assert run.wait(timeout_s=600) == 0, run.tail()
     finally:
-        producer.close()
+        if producer is not None:
+            producer.close()
         ctx.term()
         run.stop()
     (tmp_path / "backpressure.json").write_text(json.dumps(samples, indent=1))

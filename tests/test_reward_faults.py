@@ -35,7 +35,8 @@ def unruly_reward(response: str, label: str) -> dict[str, float]:
 def group_of(index: int, tokens: list[int]) -> RolloutGroup:
     samples = [Sample(np.array([t], np.int32), np.array([-0.5], np.float32), np.array([0], np.int32), "stop")
                for t in tokens]
-    return RolloutGroup(make_group_id(0, index), 0, np.array([7, 8], np.int32), samples, {"label": "x"}, run_id="run-a")
+    return RolloutGroup(make_group_id(0, index), 0, np.array([7, 8], np.int32), samples, {"label": "x"},
+                        run_id="run-a")
 
 
 def test_worker_fast_path_and_failures():

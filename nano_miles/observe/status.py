@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 
 import zmq
 
@@ -20,6 +21,7 @@ from nano_miles.observe.scrape import scrape, stage_urls
 from nano_miles.run.cli import ArgumentParser, run
 from nano_miles.run.config import Config, parse_config
 from nano_miles.run.identity import read_run_identity
+from nano_miles.run.liveness import read_heartbeat
 from nano_miles.wire.codec import WireError
 from nano_miles.wire.control import ProducerStatus
 from nano_miles.wire.sockets import ControlClient, ControlError, ControlTimeout
@@ -77,6 +79,16 @@ def trainer_line(snap) -> str:
             f"{snap.get('nanomiles_groups_received_total', 0.0, hop=HOP_TRAINER):.0f} groups received")
 
 
+def heartbeat_note(cfg: Config, stage: str) -> str:
+    """How long ago the stage's loop last beat: a stage that answers nothing but beats is busy, one
+    that has gone silent is stuck (the run's watch restarts it after run.hang_timeout_s)."""
+    beat = read_heartbeat(cfg.run_dir, stage)
+    if beat is None:
+        return ""
+    waiting = f", waiting for {beat['waiting_for']}" if beat.get("waiting_for") else ""
+    return f" [heartbeat {time.time() - float(beat['time']):.0f}s ago{waiting}]"
+
+
 def supervisor_view(cfg: Config) -> str | None:
     sock = cfg.run_dir / "supervisor.sock"
     if not sock.exists():
@@ -98,7 +110,7 @@ def main(argv: list[str]) -> int:
             "trainer": metrics_status(urls["trainer"], trainer_line)}
     ctx.term()
     for stage, (is_up, text) in rows.items():
-        print(f"{stage:<8} {'up' if is_up else 'DOWN':<5} {text}")
+        print(f"{stage:<8} {'up' if is_up else 'DOWN':<5} {text}{heartbeat_note(cfg, stage)}")
     view = supervisor_view(cfg)
     if view is not None:
         print("supervisord:\n" + "\n".join("  " + line for line in view.splitlines()))

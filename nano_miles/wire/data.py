@@ -25,8 +25,8 @@ import msgpack
 import numpy as np
 
 from nano_miles.wire.codec import (MAX_MAP_ITEMS, MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_STR_BYTES,
-                                   MAX_TOKENS_PER_SEQUENCE, SCHEMA_VERSION, WireError, _show, check_count, check_text_id, get,
-                                   parse_group_id, unpack_message)
+                                   MAX_TOKENS_PER_SEQUENCE, SCHEMA_VERSION, WireError, _show, check_count,
+                                   check_text_id, get, parse_group_id, unpack_message)
 
 FINISH_REASONS = ("stop", "length", "abort")
 TOKEN_DTYPE = np.dtype("<i4")

@@ -265,7 +265,9 @@ class RolloutProducer:
 
     def may_issue(self) -> bool:
         s = self.state
-        return (not s.is_paused and self.control.run_id is not None and len(s.inflight) < self.cfg.rollout.max_inflight_groups
+        # nothing before a trainer's `restore` has claimed this producer for its run
+        return (not s.is_paused and self.control.run_id is not None
+                and len(s.inflight) < self.cfg.rollout.max_inflight_groups
                 and len(self.outbox) < MAX_OUTBOX
                 and version_allows(self.ledger.budget_used(), s.version, self.cfg.trainer.batch_groups,
                                    self.max_staleness))

@@ -86,7 +86,8 @@ def verify(directory: Path, *, checksums: bool = True) -> None:
         path = directory / name
         if not path.is_file() or path.stat().st_size != expected["size"]:
             size = path.stat().st_size if path.is_file() else "missing"
-            raise DamagedCheckpoint(f"{directory.name}: {name} is {size} bytes, the manifest says {expected['size']}")
+            raise DamagedCheckpoint(f"{directory.name}: {name} is {size} bytes, "
+                                    f"the manifest says {expected['size']}")
         if checksums and _sha256(path) != expected["sha256"]:
             raise DamagedCheckpoint(f"{directory.name}: {name} does not match its SHA-256 in the manifest")
 

@@ -49,8 +49,8 @@ class Peers:
         self.cfg = cfg
         self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
         self.sender = make_sender(cfg, self.engine)
-        self.control = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=run_id, timeout_s=t.control_timeout_s,
-                                     retries=t.control_retries)
+        self.control = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=run_id,
+                                     timeout_s=t.control_timeout_s, retries=t.control_retries)
         self.durable_state = durable_state  # the trainer's durable state, as `restore` sends it
         self.on_producer_restart = on_producer_restart
         self.version = -1                   # what the engine serves, as far as we know
