@@ -133,7 +133,7 @@ def test_a_server_claimed_by_one_run_refuses_and_counts_another(ctx, tmp_path):
     state = Counting()
     server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers(), claim_cmd="commit")
     stop = threading.Event()
-    serve_in_thread(server, stop)
+    thread = serve_in_thread(server, stop)
     ours = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-a", timeout_s=1.0, retries=2)
     leftover = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-b", timeout_s=1.0, retries=2)
     try:
@@ -148,6 +148,7 @@ def test_a_server_claimed_by_one_run_refuses_and_counts_another(ctx, tmp_path):
         assert server.num_foreign == 2
     finally:
         stop.set()
+        thread.join()  # before the socket it polls is closed
         ours.close()
         leftover.close()
         server.close()
