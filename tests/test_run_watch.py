@@ -4,6 +4,8 @@ Run: `pytest tests/test_run_watch.py`. The hang restart itself runs under the re
 tests/test_hardening.py; here the decisions are driven event by event.
 """
 
+import xmlrpc.client
+
 from nano_miles.run.run_end import CRASH_WINDOW_S, MAX_QUICK_CRASHES, RunWatch, parse_payload
 
 
@@ -38,3 +40,17 @@ def test_kills_of_a_stage_that_ran_a_while_are_not_a_crash_loop(tmp_path):
         # every third run lasts: a run that lasted resets the count
         now += 2 * CRASH_WINDOW_S if i % 3 == 2 else 1.0
         assert event(watch, "PROCESS_STATE_EXITED", "processname:reward expected:0 pid:7", now) is None
+
+
+class ShuttingDown:
+    """supervisord's XML-RPC interface while it shuts down: every process call faults."""
+
+    def getProcessInfo(self, name):
+        raise xmlrpc.client.Fault(6, "SHUTDOWN_STATE")
+
+
+def test_ticks_while_supervisord_shuts_down_do_not_end_the_listener(tmp_path):
+    watch = RunWatch(tmp_path, hang_timeout_s=5, supervisor=ShuttingDown())
+    assert event(watch, "TICK_5", "when:1000", 1000.0) is None  # the fault is logged, not raised
+    watch.is_ending = True
+    assert event(watch, "TICK_5", "when:1005", 1005.0) is None

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import xmlrpc.client
 from pathlib import Path
 
 from nano_miles.run.cli import ArgumentParser, run
@@ -44,6 +45,7 @@ class RunWatch:
         self.started_at: dict[str, float] = {}
         self.quick_crashes: dict[str, int] = {}
         self.killed_for_hang: set[str] = set()
+        self.is_ending = False  # shutdown asked for: supervisord answers no more process calls
 
     def on_event(self, event: str, fields: dict[str, str], now: float) -> str | None:
         """The reason to end the run for this event, or None to keep going."""
@@ -63,8 +65,11 @@ class RunWatch:
                         f"{CRASH_WINDOW_S:.0f}s of starting; see {name}.log")
         elif event == "PROCESS_STATE_FATAL":
             return f"failed: {name} could not be kept running; see {name}.log"
-        elif event.startswith("TICK") and self.hang_timeout_s > 0:
-            self.restart_hung(now)
+        elif event.startswith("TICK") and self.hang_timeout_s > 0 and not self.is_ending:
+            try:
+                self.restart_hung(now)
+            except (xmlrpc.client.Fault, OSError) as e:  # supervisord busy or going away: next tick
+                log(f"cannot check the stages this tick: {e}")
         return None
 
     def restart_hung(self, now: float) -> None:
@@ -109,7 +114,8 @@ def main(argv: list[str]) -> int:
         headers = childutils.get_headers(line)
         payload = sys.stdin.read(int(headers["len"]))
         reason = watch.on_event(headers["eventname"], parse_payload(payload), time.time())
-        if reason is not None:
+        if reason is not None and not watch.is_ending:
+            watch.is_ending = True
             if reason != "done":
                 (watch.run_dir / "FAILED").write_text(reason + "\n")
             log(f"{reason}; shutting supervisord down")
