@@ -81,4 +81,6 @@ def goodput(snaps: dict[str, Snapshot | None]) -> float | None:
     """Trained / generated response tokens over the run (losses anywhere lower it), as the trainer
     computes it from durable counts: per-process counters would restart with their process."""
     trainer = snaps.get("trainer")
-    return trainer.get("nanomiles_goodput_ratio", 0.0) or None if trainer is not None else None
+    if trainer is None:
+        return None
+    return trainer.get("nanomiles_goodput_ratio", 0.0) or None  # 0 until the first step is done

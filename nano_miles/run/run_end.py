@@ -26,6 +26,7 @@ import xmlrpc.client
 from pathlib import Path
 
 from nano_miles.run.cli import ArgumentParser, run
+from nano_miles.run.liveness import read_heartbeat
 
 CRASH_WINDOW_S = 30.0   # an exit this soon after its start counts as a crash on start
 MAX_QUICK_CRASHES = 5   # this many in a row: the stage cannot run (a chaos test kills up to 3 in a row)
@@ -73,7 +74,6 @@ class RunWatch:
         return None
 
     def restart_hung(self, now: float) -> None:
-        from nano_miles.run.liveness import read_heartbeat
         for stage in WATCHED:
             info = self.supervisor.getProcessInfo(f"{GROUP}:{stage}")
             beat = read_heartbeat(self.run_dir, stage)

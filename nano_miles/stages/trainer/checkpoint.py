@@ -117,26 +117,29 @@ def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
     return final
 
 
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    """Every checkpoint directory, whole or damaged, oldest first (`.tmp` ones are debris of a crash)."""
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Checkpoint directories whose manifest lists files of the right sizes, oldest first (cheap:
     the checksums are read only for the one that is loaded)."""
-    if not root.exists():
-        return []
-    found = []
-    for p in sorted(root.glob("step_*")):
-        if not p.is_dir() or p.name.endswith(".tmp"):
-            continue
+    complete = []
+    for p in _checkpoint_dirs(root):
         try:
             verify(p, checksums=False)
-            found.append(p)
-        except DamagedCheckpoint as e:
-            log.warning("skipping damaged checkpoint %s", e)
-    return found
+            complete.append(p)
+        except DamagedCheckpoint:
+            pass
+    return complete
 
 
 def load_newest(root: Path, model, optimizer) -> tuple[Path, TrainerState] | None:
     """Load the newest checkpoint that verifies in full; damaged ones are skipped with a warning."""
-    for path in reversed(complete_checkpoints(root)):
+    for path in reversed(_checkpoint_dirs(root)):
         try:
             verify(path)
             return path, load_checkpoint(path, model, optimizer)
