@@ -119,6 +119,9 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         torch.save({"loss": loss, "grad_norm": grad_norm, "params": dict(named)}, out)
     if world > 1:
+        # no rank tears gloo down while another still uses it (rank 0 is saving): a rank that
+        # destroyed the group early was seen to abort ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
