@@ -135,6 +135,26 @@ def test_sample_alone_and_in_busy_batch_agree_and_requests_are_batched(client):
     assert client.server_info()["internal_states"][0]["max_batch_size_seen"] > 1
 
 
+def test_seeded_sample_is_bit_identical_alone_and_batched(client):
+    """A seeded request draws the same tokens with the same logprob bits whatever shares its batch:
+    alone, prefilled with others of other lengths, merged into a running batch, or left alone in it."""
+    params = {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 12345}
+    alone = client.generate(PROMPT, params)
+    with ThreadPoolExecutor(len(PROMPTS) + 2) as pool:
+        others = [pool.submit(client.generate, p, {**params, "max_new_tokens": 4 + 3 * i, "sampling_seed": i})
+                  for i, p in enumerate(PROMPTS)]  # they finish one by one: the batch shrinks to 1
+        prefilled_together = pool.submit(client.generate, PROMPT, params)
+        wait_for_progress(client, 3)
+        joined_later = pool.submit(client.generate, PROMPT, params)
+        busy = [prefilled_together.result(), joined_later.result()]
+        assert all(f.result() for f in others)
+    for out in busy:
+        assert out["output_ids"] == alone["output_ids"]
+        assert out["meta_info"]["output_token_logprobs"] == alone["meta_info"]["output_token_logprobs"]
+    other_seed = client.generate(PROMPT, {**params, "sampling_seed": 54321})
+    assert other_seed["output_ids"] != alone["output_ids"], "the seed must decide the draws"
+
+
 def test_stop_token_ids_ignore_eos_and_max_new_tokens(client):
     greedy = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
     tokens = client.generate(PROMPT, greedy)["output_ids"]

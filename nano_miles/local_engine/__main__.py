@@ -15,6 +15,10 @@ from typing import NoReturn
 
 log = logging.getLogger("engine")
 PROG = "python -m nano_miles.local_engine"
+# A row's logits must not depend on what shares its batch, or a seeded request's draws would. With
+# `sdpa`, the left padding a batch needs moves a row's logits by ~2e-6, enough to flip a draw now and
+# then; `eager` masks padding to exact zeros and gives the same bits alone or batched.
+ATTENTION = "eager"
 
 
 def fail(message: str) -> NoReturn:
@@ -48,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--weight-version", default="default", help="initial weight_version reported to clients")
+    p.add_argument("--random-seed", type=int, default=None,
+                   help="seeds the draws of requests without a sampling_seed (as SGLang's flag does); a request "
+                        "with one always has its own generator")
     p.add_argument("--max-running-requests", type=int, default=256, help="max requests in the decode batch")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on cpu, where small models gain nothing from more and "
@@ -87,9 +94,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(num_threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    if args.random_seed is not None:
+        torch.manual_seed(args.random_seed)
     dtype = getattr(torch, args.dtype)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype,
+                                                                  attn_implementation=ATTENTION)
     except Exception as e:
         # Whatever fails here is about the user's directory (weights missing or corrupt, a config that
         # transformers rejects): one line names it; --log-level DEBUG shows the traceback.

@@ -4,6 +4,12 @@ Used by the scheduler; the only module that knows how transformers represents a 
 Layout: for every layer, keys and values are [batch, kv_heads, seq, head_dim]. Row b holds its
 tokens right-aligned: `mask[b, s] == 0` marks left padding. Positions are passed to the model
 explicitly (the number of real tokens before each one), so padding never shifts RoPE.
+
+Batch invariance: the cache is always a multiple of ALIGN columns long when a forward starts. A row's
+left padding is then congruent to minus its length modulo ALIGN, whatever else is in the batch, so
+the vectorised reductions of attention put its real keys in the same lanes and sum them in the same
+order alone or batched: its logits are the same bits, and so are the draws of a seeded request.
+(Without this, padding moved a row's logprobs by up to ~6e-6, enough to flip a draw now and then.)
 """
 
 import inspect
@@ -30,6 +36,13 @@ def from_transformers_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+ALIGN = 64  # columns; a multiple of every SIMD width x unroll the CPU kernels use (4 was enough here)
+
+
+def aligned_len(num_columns: int) -> int:
+    return -(-num_columns // ALIGN) * ALIGN
+
+
 @dataclass
 class KVBatch:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
@@ -37,16 +50,29 @@ class KVBatch:
     num_cached: torch.Tensor  # [batch] int64 on the CPU: real tokens cached = position of the next token
 
     def select(self, rows: list[int]) -> "KVBatch | None":
-        """Keep `rows` (in that order) and drop the left columns that are padding for every kept row."""
+        """Keep `rows` (in that order) and drop the left columns that are padding for every kept row
+        (a multiple of ALIGN of them)."""
         if not rows:
             return None
         index = torch.tensor(rows)
         mask, num_cached = self.mask.index_select(0, index), self.num_cached.index_select(0, index)
-        num_trim = int(mask.shape[1] - num_cached.max())
+        num_trim = int(mask.shape[1] - num_cached.max()) // ALIGN * ALIGN
         index = index.to(self.kv[0][0].device)
         kv = [(k.index_select(0, index)[:, :, num_trim:], v.index_select(0, index)[:, :, num_trim:])
               for k, v in self.kv]
         return KVBatch(kv, mask[:, num_trim:], num_cached)
+
+
+    def realigned(self) -> "KVBatch":
+        """Back to a multiple of ALIGN columns after a decode step added one: drop the leftmost
+        columns if every row has that much padding, else pad up to the next multiple."""
+        remainder = self.mask.shape[1] % ALIGN
+        if remainder == 0:
+            return self
+        if self.mask.shape[1] - int(self.num_cached.max()) >= remainder:
+            kv = [(k[:, :, remainder:], v[:, :, remainder:]) for k, v in self.kv]
+            return KVBatch(kv, self.mask[:, remainder:], self.num_cached)
+        return _left_pad(self, aligned_len(self.mask.shape[1]))
 
 
 def _left_pad(batch: KVBatch, seq_len: int) -> KVBatch:

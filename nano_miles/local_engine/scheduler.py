@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 16384  # padded tokens per prefill forward; bounds the memory of a burst of arrivals
 IDLE_WAIT_S = 0.5
+# A forward of fewer rows takes other matrix kernels on the CPU, whose sums differ in the last bits
+# (below 4 rows, measured): small batches are padded with copies, so a row's logits, and a seeded
+# request's draws, do not depend on how many others share its batch (see also kv_batch.py).
+MIN_ROWS = 8
 
 
 class SchedulerStopped(RuntimeError):
@@ -225,6 +229,12 @@ class Scheduler:
 
     def _forward(self, input_ids, mask, position_ids, kv, num_logits: int):
         started_s = time.perf_counter()
+        num_rows = input_ids.shape[0]
+        if num_rows < MIN_ROWS:
+            pad = torch.full((MIN_ROWS - num_rows,), num_rows - 1)  # copies of the last row, dropped after
+            rows = torch.cat([torch.arange(num_rows), pad])
+            input_ids, mask, position_ids = input_ids[rows], mask[rows], position_ids[rows]
+            kv = None if kv is None else [(k[rows.to(k.device)], v[rows.to(v.device)]) for k, v in kv]
         cache = kv_batch.to_transformers_cache(kv) if kv is not None else kv_batch.DynamicCache()
         with torch.no_grad():
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
@@ -232,8 +242,9 @@ class Scheduler:
                              logits_to_keep=num_logits, **{self._cache_kwarg: cache})
         self.num_forward_steps += 1
         self.busy_s += time.perf_counter() - started_s  # model time: idle fraction = 1 - busy / wall
-        self.max_batch_size_seen = max(self.max_batch_size_seen, input_ids.shape[0])
-        return out.logits.float(), kv_batch.from_transformers_cache(out[self._cache_kwarg])
+        self.max_batch_size_seen = max(self.max_batch_size_seen, num_rows)
+        kv = kv_batch.from_transformers_cache(out[self._cache_kwarg])
+        return out.logits[:num_rows].float(), [(k[:num_rows], v[:num_rows]) for k, v in kv]
 
     def _admit(self) -> None:
         with self._cond:
@@ -250,7 +261,7 @@ class Scheduler:
     def _prefill(self, reqs: list[Request]) -> None:
         # a retracted request re-prefills its prompt plus everything it generated so far
         seqs = [r.input_ids + r.output_ids for r in reqs]
-        seq_len = max(map(len, seqs))
+        seq_len = kv_batch.aligned_len(max(map(len, seqs)))  # the cache's invariant (kv_batch.py)
         input_ids = torch.zeros(len(reqs), seq_len, dtype=torch.long)
         mask = torch.zeros(len(reqs), seq_len, dtype=torch.long)
         for i, seq in enumerate(seqs):
@@ -300,7 +311,8 @@ class Scheduler:
         tokens, logprobs = sample_tokens(logits[:, -1], [r.params for r in reqs], [r.generator for r in reqs])
         keep = [i for i, (r, t, lp) in enumerate(zip(reqs, tokens, logprobs)) if not self._append_token(r, t, lp)]
         self._running = [reqs[i] for i in keep]
-        self._batch = batch if len(keep) == len(reqs) else batch.select(keep)
+        batch = batch if len(keep) == len(reqs) else batch.select(keep)
+        self._batch = batch.realigned() if batch is not None else None
 
     def _append_token(self, r: Request, token: int, logprob: float) -> bool:
         """Record a sampled token; finish the request if it hit a limit. Returns whether it finished."""
