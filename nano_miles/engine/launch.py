@@ -16,11 +16,16 @@ from nano_miles.wire.control import keeps_requests
 FLAT_LOADER = "nano_miles.weights.flat_receiver.load_flat"
 
 
+def is_truncated(cfg: Config) -> bool:
+    """Does rollout sampling cut the distribution (top-p or top-k)?"""
+    return cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
+
+
 def engine_command(cfg: Config) -> list[str]:
     """The argv of the engine server for this config (both speak the same HTTP contract)."""
     e = cfg.engine
     common = ["--model-path", str(cfg.model_dir), "--host", e.host, "--port", str(e.port),
-              "--weight-version", "0"]
+              "--weight-version", "0", "--random-seed", str(cfg.run.seed)]
     if e.kind == "local":
         return [sys.executable, "-m", "nano_miles.local_engine", *common, "--device", e.device,
                 "--dtype", e.dtype, "--num-threads", str(e.num_threads)]
@@ -29,7 +34,10 @@ def engine_command(cfg: Config) -> list[str]:
             "--enable-metrics",                           # Prometheus /metrics on the same port
             "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
             "--dtype", e.dtype,                           # the config's names are SGLang's too
-            "--random-seed", str(cfg.run.seed),
+            # every rollout request carries a sampling_seed, which SGLang's flashinfer sampler refuses
+            # once top-p or top-k truncates (docs/sglang-contract.md §2.1); its torch sampler takes it
+            *(["--sampling-backend", "pytorch"] if is_truncated(cfg) and "--sampling-backend" not in e.extra_args
+              else []),
             # lets the trainer update weights through one mapped buffer (nano_miles/weights/flat_receiver.py)
             "--custom-weight-loader", FLAT_LOADER,
             # paused requests kept across an update stop SGLang flushing its prefix cache: without

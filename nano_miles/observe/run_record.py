@@ -7,6 +7,7 @@ Library module; the trainer owns one `RunRecord` and writes it. In the run direc
     summary.json    early vs late reward, held-out accuracy start / max / end, timings, the ledger's counts
     ledger.json     every prompt of the run: trained once (at which step), or why not
     queues.jsonl    every hop's queue depth once a second (`queues.py`), plotted at the end (`plots.py`)
+    rollouts.jsonl  with `metrics.save_rollouts`: every group trained, one line each (`rollout_line`)
 
 and the optional TensorBoard / W&B sinks (`sinks.py`) get each step's numbers.
 """
@@ -196,6 +197,18 @@ def summarize(steps: list[dict], evals: list[list]) -> dict:
     }
 
 
+def rollout_line(step: int, scored) -> dict:
+    """One trained group as rollouts.jsonl keeps it: the ids the trainer saw, their rewards and
+    advantages, and the behaviour logprobs, for inspecting a run and comparing two runs token by token."""
+    group = scored.group
+    return {"step": step, "group_id": group.group_id, "attempt": group.attempt,
+            "label": group.metadata.get("label"), "prompt_ids": group.prompt_tokens.tolist(),
+            "samples": [{"response_ids": s.response_tokens.tolist(), "logprobs": s.logprobs.tolist(),
+                         "versions": s.versions.tolist(), "finish_reason": s.finish_reason,
+                         "reward": float(r), "advantage": float(a)}
+                        for s, r, a in zip(group.samples, scored.rewards, scored.advantages)]}
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
@@ -206,6 +219,7 @@ class RunRecord:
     def __init__(self, cfg):
         self.run_dir, self.is_plotted = cfg.run_dir, cfg.metrics.plots
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.rollouts_path = self.run_dir / "rollouts.jsonl" if cfg.metrics.save_rollouts else None
         self.sinks = make_sinks(cfg)
         self.recorder = None
         if cfg.metrics.queue_sample_s > 0:
@@ -219,6 +233,11 @@ class RunRecord:
         values = scalars({k: v for k, v in data.items() if k != "step"})
         for sink in self.sinks:
             sink.log(record.step, values)
+
+    def write_rollouts(self, step: int, groups) -> None:
+        if self.rollouts_path is not None:
+            with self.rollouts_path.open("a") as f:
+                f.writelines(json.dumps(rollout_line(step, g)) + "\n" for g in groups)
 
     def steps(self, last_step: int) -> list[dict]:
         """One record per step up to `last_step`, of the surviving history (a restart re-does the

@@ -175,6 +175,7 @@ class MetricsConfig(Section):
     wandb_project: str = checked("", ANY_TEXT)        # step scalars to Weights & Biases under this project; "" = off
     plots: bool = checked(True, BOOL)                 # PNG plots into the run dir at the end
     queue_sample_s: float = checked(1.0, at_least(0))  # queue depths into queues.jsonl this often; 0 = never
+    save_rollouts: bool = checked(False, BOOL)        # every trained group (ids, rewards) into rollouts.jsonl
 
 
 @dataclass

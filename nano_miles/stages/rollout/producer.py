@@ -16,6 +16,7 @@ step k starts only after weights k - 1 are in the engine.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -61,6 +62,16 @@ class ProducerState:
     num_generated_tokens: int = 0     # response tokens of every group sent (goodput's denominator)
     num_resumed_samples: int = 0      # sample segments resubmitted after an abort-mode pause
     inflight: dict[str, Future] = field(default_factory=dict)
+
+
+def sampling_seed(run_seed: int, group_id: str, attempt: int, sample: int, segment: int) -> int:
+    """The seed of one generation request: a pure function of what the request is, never of timing.
+
+    Two runs with the same `run.seed` therefore draw the same tokens for the same group on the same
+    weights, whichever requests share the engine's batch. A re-issued group (`attempt`) and each
+    resumed segment of an aborted sample get fresh draws. 63 bits: SGLang and torch take int64."""
+    key = f"{run_seed}:{group_id}:{attempt}:{sample}:{segment}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def version_allows(budget_used: int, version: int, batch_groups: int, max_staleness: int) -> bool:
@@ -159,9 +170,11 @@ class RolloutProducer:
         versions: list[list[int]] = [[] for _ in range(r.group_size)]
         finish = [""] * r.group_size
         pending = list(range(r.group_size))
-        for _ in range(MAX_SEGMENTS_PER_SAMPLE):
+        for segment in range(MAX_SEGMENTS_PER_SAMPLE):
             params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
-                       "top_p": r.top_p, "top_k": r.top_k} for i in pending]
+                       "top_p": r.top_p, "top_k": r.top_k,
+                       "sampling_seed": sampling_seed(self.cfg.run.seed, group_id, attempt, i, segment)}
+                      for i in pending]
             outputs = self.generate_with_retry([prompt + tokens[i] for i in pending], params)
             still_pending = []
             for i, out in zip(pending, outputs):

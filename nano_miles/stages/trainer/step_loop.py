@@ -208,6 +208,10 @@ class Trainer:
         return batch, time.perf_counter() - started
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
+        # dataset order, not arrival order: the same groups make the same float sums, so two runs
+        # with one seed take the same step
+        groups = sorted(groups, key=lambda sg: position_of(sg.group.group_id, self.num_items))
+        self.record.write_rollouts(self.step, groups)
         prompts, responses, logprobs, advantages = [], [], [], []
         for sg in groups:
             for sample, adv in zip(sg.group.samples, sg.advantages):
