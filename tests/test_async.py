@@ -10,6 +10,7 @@ import zmq
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conftest import start_engine, stop_process
+from harness.learning_runs import ASYNC, margin
 from harness.supervised_run import SupervisedRun
 from nano_miles.engine.client import EngineClient
 from nano_miles.run.config import load_config
@@ -107,10 +108,8 @@ def test_async_with_zero_staleness_is_sync(tmp_path):
 @pytest.mark.slow
 def test_async_run_overlaps_stays_bounded_and_learns(tmp_path):
     max_staleness = 2
-    run = SupervisedRun(tmp_path / "run", [
-        "--run.mode=async", f"--run.max_staleness={max_staleness}", "--trainer.num_steps=40",
-        "--trainer.batch_groups=8", "--rollout.group_size=8", "--trainer.eval_every=20",
-        "--task.num_test=100", "--trainer.lr=1e-4"]).start()
+    assert f"--run.max_staleness={max_staleness}" in ASYNC
+    run = SupervisedRun(tmp_path / "run", ASYNC).start()
     try:
         assert run.wait(timeout_s=900) == 0, run.tail()
     finally:
@@ -119,7 +118,8 @@ def test_async_run_overlaps_stays_bounded_and_learns(tmp_path):
     assert all(r["staleness_max"] <= max_staleness for r in records)
     assert any(r["staleness_max"] > 0 for r in records), "the producer never ran ahead"
     s = run.summary()
-    assert s["eval_accuracy_max"] > s["eval_accuracy_start"], s
+    # half the smallest gain of five seeds (bench/results/learning_seeds.json), not one lucky run
+    assert s["eval_accuracy_max"] - s["eval_accuracy_start"] >= margin("async", "eval_gain"), s
 
 
 @pytest.mark.slow

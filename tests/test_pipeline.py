@@ -5,11 +5,9 @@ import time
 
 import pytest
 
+from harness.learning_runs import SYNC, margin
 from harness.supervised_run import SupervisedRun
 
-# Small enough for 2 CPU cores, large enough that learning is unmistakable (see the assertions).
-LEARN = ["--trainer.num_steps=48", "--trainer.batch_groups=16", "--rollout.group_size=8",
-         "--trainer.eval_every=16", "--task.num_test=200", "--trainer.checkpoint_every=24"]
 ORDER = ["--trainer.num_steps=3", "--trainer.batch_groups=4", "--rollout.group_size=4",
          "--trainer.eval_every=0", "--task.num_test=10"]
 
@@ -29,7 +27,7 @@ def supervised(tmp_path):
 
 @pytest.mark.slow
 def test_sync_run_learns_and_ends_by_itself(supervised):
-    run = supervised(LEARN).start()
+    run = supervised(SYNC).start()
     assert run.wait(timeout_s=900) == 0, run.tail()
     assert not (run.run_dir / "FAILED").exists()
     records = run.metrics()
@@ -40,8 +38,9 @@ def test_sync_run_learns_and_ends_by_itself(supervised):
     ids = [g for r in records for g in r["group_ids"]]
     assert len(ids) == len(set(ids)) == 48 * 16, "every group is trained exactly once"
     s = run.summary()
-    assert s["reward_late"] > s["reward_early"], s
-    assert s["eval_accuracy_max"] >= s["eval_accuracy_start"] + 0.04, s
+    # half the smallest gain of five seeds (bench/results/learning_seeds.json), not one lucky run
+    assert s["reward_late"] - s["reward_early"] >= margin("sync", "reward_gain"), s
+    assert s["eval_accuracy_max"] - s["eval_accuracy_start"] >= margin("sync", "eval_gain"), s
     assert s["ledger"]["num_lost"] == 0 and s["ledger"]["num_trained_twice"] == 0
     assert (run.run_dir / "checkpoints" / "step_000048" / "model.safetensors").exists()
     assert "trainer (exit status 0; expected)" in (run.run_dir / "supervisord.log").read_text()

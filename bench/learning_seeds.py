@@ -1,0 +1,83 @@
+"""How much the tests' learning runs gain over repeated seeds: the margins the tests assert.
+
+Run: python bench/learning_seeds.py [--seeds=0,1,2,3,4] [--configs=sync,async]
+
+Each config of `harness/learning_runs.py` (the runs of tests/test_pipeline.py and tests/test_async.py)
+runs under the real supervisord once per seed (`--run.seed`). Prints per seed the held-out accuracy
+at start and best, and the training reward early and late, then the smallest gain of each config;
+writes bench/results/learning_seeds.json, from which the tests take half the smallest gain as their
+margin. Target: every seed gains at least 0.005 (one problem in 200; a reward of 0.005), or the
+tests have nothing to assert.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from harness.learning_runs import CONFIGS, GAINS, RESULTS, gains  # noqa: E402
+from harness.verdict import Spread, Verdict, print_verdicts  # noqa: E402
+
+MIN_GAIN = 0.005
+
+
+def run_one(config: str, seed: int, root: Path) -> dict:
+    from harness.supervised_run import SupervisedRun
+    started = time.monotonic()
+    run = SupervisedRun(root / f"{config}-{seed}", [*CONFIGS[config], f"--run.seed={seed}"]).start()
+    try:
+        if run.wait(timeout_s=3600) != 0:
+            raise SystemExit(f"{config} seed {seed} failed:\n{run.tail()}")
+        s = run.summary()
+    finally:
+        run.stop()
+    return {"seed": seed, "eval_start": s["eval_accuracy_start"], "eval_max": s["eval_accuracy_max"],
+            "eval_end": s["eval_accuracy_end"], "reward_early": s["reward_early"], "reward_late": s["reward_late"],
+            **gains(s), "wall_s": time.monotonic() - started}
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    args = dict(a.removeprefix("--").split("=", 1) for a in argv)
+    seeds = [int(s) for s in args.pop("seeds", "0,1,2,3,4").split(",")]
+    configs = args.pop("configs", ",".join(CONFIGS)).split(",")
+    if args or any(c not in CONFIGS for c in configs):
+        print(f"usage: --seeds=0,1,... --configs={','.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    result, all_verdicts = {"seeds": seeds, "configs": {}}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in configs:
+            runs = []
+            for seed in seeds:
+                print(f"{config} seed {seed} ...", flush=True)
+                runs.append(run_one(config, seed, Path(tmp)))
+                r = runs[-1]
+                print(f"  held-out {100 * r['eval_start']:.1f} -> max {100 * r['eval_max']:.1f} %, reward "
+                      f"{r['reward_early']:.3f} -> {r['reward_late']:.3f} ({r['wall_s']:.0f} s)", flush=True)
+            verdicts = [Verdict(f"{config} {g}, smallest over seeds", min(r[g] for r in runs), ">=", MIN_GAIN,
+                                digits=3) for g in GAINS]
+            result["configs"][config] = {
+                "overrides": CONFIGS[config], "runs": runs,
+                "spread": {g: Spread.of([r[g] for r in runs]).to_json() for g in GAINS},
+                "verdicts": [v.to_json() for v in verdicts]}
+            all_verdicts += verdicts
+    print(f"\n{'config':<8} {'gain':<12} {'mean [min, max] over seeds':>28}")
+    for config, c in result["configs"].items():
+        for g in GAINS:
+            print(f"{config:<8} {g:<12} {Spread.of([r[g] for r in c['runs']]).text('+.3f'):>28}")
+    print_verdicts(all_verdicts)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
