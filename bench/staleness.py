@@ -3,7 +3,8 @@
 Run: python bench/staleness.py [--staleness=0,1,2,4] [--seeds=0,1,2] [--target-accuracy=+4] [--out=DIR]
      [--config FILE] [--section.key=value ...]
      [--keep-runs=DIR: keep the run directories] [--from-runs=DIR: only re-read kept ones]
-On a GPU: python bench/staleness.py --staleness=2 --target-accuracy=0.9 --out=bench/results/gpu --config configs/gpu.toml
+On a GPU: python bench/staleness.py --staleness=2 --target-accuracy=0.9 --config configs/gpu.toml
+          --out=bench/results/gpu
 
 Each variant (sync, then async with max_staleness S for each S) is a full pipeline run under the real
 supervisord, once per seed (`--run.seed=N`). Each run's clock starts with its first step (start-up is
