@@ -5,7 +5,8 @@ Run: python bench/learning.py [--section.key=value ...]   (e.g. --trainer.num_st
 Starts the pipeline exactly as `make run` does (configs/default.toml plus the given overrides) in a
 private run directory, follows the trainer's progress, then prints accuracy at each evaluation with
 the wall time it took to get there, and writes bench/results/learning.json and learning.png.
-Target on a 2-core CPU machine: +30 points of held-out accuracy within 10 minutes.
+Target on a 2-core CPU machine: +30 points of held-out accuracy within 10 minutes; the verdict ("met"
+or "missed by X points") is printed and kept in learning.json.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_POINTS, TARGET_S = 30.0, 600.0
@@ -64,8 +66,8 @@ def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
-    from nano_miles.run.config import ConfigError, load_config
     from harness.supervised_run import SupervisedRun
+    from nano_miles.run.config import ConfigError, load_config
     try:
         cfg = load_config(overrides=argv)
     except ConfigError as e:
@@ -90,12 +92,14 @@ def main(argv: list[str]) -> int:
     within = [acc for _, acc, t in evals if t <= TARGET_S]
     gain = 100 * (max(within) - start)
     reached = next((t for _, acc, t in evals if 100 * (acc - start) >= TARGET_POINTS), None)
-    print(f"\nbest gain within {TARGET_S / 60:.0f} min: {gain:+.1f} points (target +{TARGET_POINTS:.0f}); "
-          + (f"+{TARGET_POINTS:.0f} reached after {reached:.0f}s" if reached else "target not reached"))
+    print(f"\nbest gain within {TARGET_S / 60:.0f} min: {gain:+.1f} points; "
+          + (f"+{TARGET_POINTS:.0f} reached after {reached:.0f}s" if reached else f"+{TARGET_POINTS:.0f} not reached"))
+    verdict = Verdict(f"held-out gain within {TARGET_S / 60:.0f} min", gain, ">=", TARGET_POINTS, "points")
+    print_verdicts([verdict])
     RESULTS.mkdir(exist_ok=True)
     result = {"config": cfg.to_dict(), "evals": evals, "gain_points_within_target": gain,
               "seconds_to_target": reached, "mean_step_s": summary["mean_step_s"],
-              "mean_update_ms": summary["mean_update_ms"]}
+              "mean_update_ms": summary["mean_update_ms"], "verdicts": [verdict.to_json()]}
     (RESULTS / "learning.json").write_text(json.dumps(result, indent=2))
     if plot(evals, RESULTS / "learning.png"):
         print(f"wrote {RESULTS / 'learning.json'} and learning.png")

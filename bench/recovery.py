@@ -6,8 +6,8 @@ One pipeline run under the real supervisord; every STEPS_BETWEEN steps one stage
 rollout, reward, trainer). Reported per kill: seconds until supervisord had the stage running again,
 seconds until the first step newer than the last one before the kill, and that time in steps of the
 run's median step time, and how long that first step waited for its batch (what the kill cost beyond
-the stage's own start-up; target: under 3 steps' time). Prints a table;
-writes recovery.json into --out (default bench/results).
+the stage's own start-up; target: at most 3 steps' time, a verdict per stage). Prints a table and the
+verdicts; writes recovery.json into --out (default bench/results), each kill with its verdict.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = ("engine", "rollout", "reward", "trainer")
 STEPS_BETWEEN = 8
+TARGET_WAIT_STEPS = 3.0  # the first step after a kill waits at most this many median steps for its batch
 DEFAULTS = [f"--trainer.num_steps={STEPS_BETWEEN * (len(STAGES) + 1)}", "--trainer.batch_groups=8",
             "--rollout.group_size=4", "--trainer.eval_every=0", "--task.num_test=10",
             "--trainer.checkpoint_every=4"]
@@ -63,6 +65,14 @@ def main(argv: list[str]) -> int:
         print(f"{k['stage']:<14}{k['restarted_s']:>16.1f}{k['next_step_s']:>13.1f}{k['next_step_in_steps']:>10.1f}"
               f"{'-' if wait is None else format(wait, '.2f'):>12}")
     print(f"median step time {kills[0]['step_s']:.2f} s")
+    verdicts = []
+    for k in kills:
+        wait = k["first_step_wait_s"]
+        verdicts.append(Verdict(f"first step's wait after killing {k['stage']}",
+                                None if wait is None else wait / k["step_s"], "<=", TARGET_WAIT_STEPS,
+                                "steps", why_none="no step record"))
+        k["verdict"] = verdicts[-1].to_json()
+    print_verdicts(verdicts)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.json").write_text(json.dumps(kills, indent=1) + "\n")
     return 0

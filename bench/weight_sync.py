@@ -1,12 +1,14 @@
 """Weight hot-update cost: shared-memory handles vs save_pretrained + reload from disk, side by side.
 
-Run: python bench/weight_sync.py [--repeats 10] [--shapes policy,small,medium]
+Run: python bench/weight_sync.py [--repeats 10] [--shapes policy,small,medium] [--out FILE]
 
 For each model shape, one local engine process serves the model; the trainer-side model is pushed
 through `/update_weights_from_tensor` (payload = shared-memory handles) and, alternately, written
 with `save_pretrained` and loaded by the engine with `/update_weights_from_disk`. Medians of
 `--repeats` rounds; the two paths alternate inside each round so machine noise hits both alike.
-Prints a table and writes bench/results/weight_sync.json.
+Target: the shared-memory path at least 20x faster than the disk path, for every shape; each shape's
+verdict ("met" or "missed by X") is printed and kept in its row. Prints a table and writes
+bench/results/weight_sync.json (or --out).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_SPEEDUP = 20.0  # shared memory vs save_pretrained + reload, per shape
 # Random-init Qwen2 shapes (no download); "policy" is the project's small policy itself.
 SHAPES = {
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -50,8 +54,8 @@ def measure(shape: str, repeats: int, root: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nano_miles.engine.client import EngineClient
     from harness.servers import start_local_engine, stop_process
+    from nano_miles.engine.client import EngineClient
     from nano_miles.weights.tensor_sender import push_weights
 
     model_dir = make_model_dir(shape, root)
@@ -96,6 +100,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--shapes", default="policy,small,medium", help=f"comma list of policy,{','.join(SHAPES)}")
+    p.add_argument("--out", type=Path, default=RESULTS / "weight_sync.json")
     args = p.parse_args(argv)
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s != "policy" and s not in SHAPES]
@@ -111,9 +116,14 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print(f"{r['shape']:<8} {r['num_params']:>10,} {r['mbytes']:>8.1f} {r['shm_ms']:>8.1f} "
               f"{r['serialize_ms']:>5.1f}/{r['apply_ms']:<6.1f} {r['disk_ms']:>8.1f} {r['speedup']:>7.1f}x")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "weight_sync.json").write_text(json.dumps(rows, indent=2))
-    print(f"\nwrote {RESULTS / 'weight_sync.json'} (target: >= 20x faster than the disk path)")
+    verdicts = [Verdict(f"shm vs disk speedup, {r['shape']}", r["speedup"], ">=", TARGET_SPEEDUP, "x")
+                for r in rows]
+    print_verdicts(verdicts)
+    for r, v in zip(rows, verdicts):
+        r["verdict"] = v.to_json()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2))
+    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -19,6 +19,21 @@ from nano_miles.tasks.arithmetic import Problem
 from nano_miles.weights.tensor_sender import push_weights
 
 TEMPERATURE = 0.8
+MIN_DECODED = 8  # decode steps every sample has had before the cut
+
+
+def engine_state(engine: EngineClient) -> dict:
+    """The local engine's scheduler counters (num_running_reqs, num_forward_steps, is_paused, ...)."""
+    return engine.server_info()["internal_states"][0]
+
+
+def wait_for_engine(engine: EngineClient, condition, what: str, timeout_s: float = 120.0) -> dict:
+    """Poll the engine's counters until `condition(state)` holds; the timeout only bounds a failure."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(state := engine_state(engine)):
+        assert time.monotonic() < deadline, f"the engine never {what}: {state}"
+        time.sleep(0.02)
+    return state
 
 
 @pytest.fixture
@@ -48,18 +63,27 @@ def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
     result = {}
     worker = threading.Thread(target=lambda: result.update(group=producer.generate_group("e0-i0", 0)))
     worker.start()
-    time.sleep(0.5)  # the group is now generating under version 0
+    # The cut must land mid-sample: wait until the engine runs all 4 samples and has decoded some of
+    # their tokens, freeze it at a step boundary, and check they are all still running before aborting.
+    started = wait_for_engine(engine, lambda s: s["num_running_reqs"] == 4, "ran the group's 4 samples")
+    wait_for_engine(engine, lambda s: s["num_forward_steps"] >= started["num_forward_steps"] + MIN_DECODED,
+                    f"decoded {MIN_DECODED} steps")
+    engine.pause("in_place")
+    frozen = engine_state(engine)
+    assert frozen["is_paused"] and frozen["num_running_reqs"] == 4, f"samples finished before the cut: {frozen}"
     old_state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    engine.pause("abort")          # in-flight samples come back partial...
+    engine.pause("abort")          # the 4 running samples come back partial...
     push_weights(engine, model, 1)
     engine.resume()                # ...and are resumed under version 1
     worker.join(timeout=120)
+    assert not worker.is_alive() and "group" in result, "the group was not finished"
     group = result["group"]
     ctx.destroy(linger=0)
-    assert producer.state.num_resumed_samples >= 1
+    assert producer.state.num_resumed_samples == 4
+    assert "mode=abort, 4 requests aborted" in (tmp_path / "engine.log").read_text()
     new_state = {k: v.clone() for k, v in model.state_dict().items()}
     num_spanning = 0
     for s in group.samples:
@@ -68,6 +92,7 @@ def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
         assert s.finish_reason == "length"
         assert np.all(np.diff(s.versions) >= 0) and set(s.versions.tolist()) <= {0, 1}
         num_spanning += len(set(s.versions.tolist())) == 2
+        assert np.sum(s.versions == 0) >= MIN_DECODED, "cut before the samples had decoded"
         # No token lost or duplicated at the seam: every token's logprob equals the one the model
         # of its version gives it when the whole sequence is re-read in one forward pass.
         ids = torch.tensor([prompt + s.response_tokens.tolist()])
@@ -80,7 +105,7 @@ def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
             if mine.any():
                 gap = (expected[mine] - torch.from_numpy(s.logprobs.copy())[mine]).abs().max().item()
                 assert gap < 1e-4, f"version {version} segment disagrees by {gap}"
-    assert num_spanning >= 1, "no sample was actually cut by the update"
+    assert num_spanning == 4, "a sample was not cut by the update"
 
 
 SHORT = ["--trainer.num_steps=6", "--trainer.batch_groups=4", "--rollout.group_size=4",

@@ -1,0 +1,188 @@
+"""The producer retries an engine's 5xx and 429 answers with backoff and still makes the group; a 4xx that
+can never succeed is not retried and drops the group for good, with its reason.
+
+A small HTTP proxy in front of a real local engine answers the first /generate calls with scripted
+error statuses and passes everything else through, logging every request it sees.
+Run: `pytest tests/test_engine_retry.py` (a real local engine on the small policy; ~10 s).
+"""
+
+import http.client
+import json
+import threading
+import time
+from concurrent.futures import wait
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import zmq
+
+from nano_miles.engine.client import EngineClient
+from nano_miles.run.config import load_config
+from nano_miles.stages.rollout.producer import ENGINE_RETRY_S, RolloutProducer
+from nano_miles.wire.data import decode_rollout
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+WAIT_S = 120.0  # failure bound of every wait below; each returns as soon as its event happens
+
+
+class FaultyProxy:
+    """Passes every request through to the engine, except that the first /generate calls are answered
+    with the statuses in `faults`, in order. `calls` logs (monotonic s, method, path, status, prompt)."""
+
+    def __init__(self, engine_url: str, faults: list[int]):
+        self.engine = urlsplit(engine_url)
+        self.faults = list(faults)
+        self.calls: list[tuple[float, str, str, int, list | None]] = []
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the engine client expects
+
+            def do_GET(self):
+                proxy.handle(self)
+
+            def do_POST(self):
+                proxy.handle(self)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def handle(self, h: BaseHTTPRequestHandler) -> None:
+        arrived = time.monotonic()
+        body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        prompt = json.loads(body).get("input_ids") if h.path == "/generate" and body else None
+        with self.lock:
+            fault = self.faults.pop(0) if h.path == "/generate" and self.faults else None
+        if fault is not None:
+            status, payload, content_type = fault, json.dumps({"error": {"message": "injected"}}).encode(), \
+                "application/json"
+        else:
+            conn = http.client.HTTPConnection(self.engine.hostname, self.engine.port, timeout=WAIT_S)
+            try:
+                conn.request(h.command, h.path, body=body or None,
+                             headers={"Content-Type": h.headers.get("Content-Type", "application/json")})
+                response = conn.getresponse()
+                status, payload = response.status, response.read()
+                content_type = response.getheader("Content-Type", "application/json")
+            finally:
+                conn.close()
+        with self.lock:
+            self.calls.append((arrived, h.command, h.path, status, prompt))
+        h.send_response(status)
+        h.send_header("Content-Type", content_type)
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        h.wfile.write(payload)
+
+    def generate_calls(self) -> list[tuple]:
+        with self.lock:
+            return [c for c in self.calls if c[2] == "/generate"]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def producer_behind(proxy: FaultyProxy, tmp_path):
+    """A real RolloutProducer whose engine is the proxy, one group per batch, and the PULL end of its
+    reward socket; resumed at version 0, the version the engine serves."""
+    cfg = load_config(overrides=[f"--engine.port={proxy.port}", f"--reward.endpoint=ipc://{tmp_path}/reward.sock",
+                                 f"--rollout.control_endpoint=ipc://{tmp_path}/control.sock",
+                                 "--rollout.metrics_port=0", "--rollout.group_size=2", "--rollout.max_new_tokens=4",
+                                 "--trainer.batch_groups=1", f"--task.num_train={len(PROMPTS)}"])
+    ctx = zmq.Context()
+    producer = RolloutProducer(cfg, ctx, [SimpleNamespace(answer=str(i)) for i in range(len(PROMPTS))], PROMPTS)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(cfg.reward.endpoint)
+    try:
+        producer.control.run_id = "test-run"  # what the trainer's first `restore` sets
+        producer.on_resume(0)
+        yield producer, pull
+    finally:
+        pull.close(linger=0)
+        producer.close()
+        ctx.term()
+
+
+def issue_one(producer: RolloutProducer) -> None:
+    """Issue the one group the gate allows, wait until its generation ended, hand it on."""
+    assert producer.may_issue(), producer.on_status()
+    producer.issue()
+    assert not producer.may_issue(), "the gate should allow one group at a time"
+    done, _ = wait(list(producer.state.inflight.values()), timeout=WAIT_S)
+    assert len(done) == 1, producer.on_status()
+    producer.collect()
+    producer.flush_outbox()
+
+
+def receive(pull: zmq.Socket):
+    assert pull.poll(int(WAIT_S * 1000)), "no group reached the reward socket"
+    return decode_rollout(pull.recv())
+
+
+def metric(producer: RolloutProducer, name: str, labels: dict | None = None) -> float:
+    return producer.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_5xx_and_429_are_retried_with_backoff_and_the_group_is_made(engine_url, tmp_path):
+    assert EngineClient(engine_url).weight_version() == 0  # what the producer waits for after each failure
+    faults = [503, 429]
+    proxy = FaultyProxy(engine_url, faults)
+    try:
+        with producer_behind(proxy, tmp_path) as (producer, pull):
+            issue_one(producer)
+            group = receive(pull)
+            status = producer.on_status()
+    finally:
+        proxy.close()
+    # nothing dropped: the group arrives whole, with every sample finished
+    assert group.group_id == "e0-i0" and list(group.prompt_tokens) == PROMPTS[0]
+    assert len(group.samples) == 2
+    assert all(s.finish_reason in ("length", "stop") and len(s.response_tokens) > 0 for s in group.samples)
+    assert status["num_sent"] == 1 and status["dropped_for_good"] == {} and status["num_reissued"] == 0
+    # every failure counted, once
+    assert status["num_failed"] == len(faults)
+    assert metric(producer, "nanomiles_engine_failures_total") == len(faults)
+    # attempt, wait for the engine's weights, attempt again: spaced by at least each backoff delay
+    calls = [(c[1], c[2], c[3]) for c in proxy.calls]
+    assert calls == [("POST", "/generate", 503), ("GET", "/model_info", 200),
+                     ("POST", "/generate", 429), ("GET", "/model_info", 200),
+                     ("POST", "/generate", 200)], calls
+    times = [c[0] for c in proxy.generate_calls()]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert all(gap >= delay for gap, delay in zip(gaps, ENGINE_RETRY_S)), (gaps, ENGINE_RETRY_S)
+    assert [c[4] for c in proxy.generate_calls()] == [[PROMPTS[0]] * 2] * 3  # the same request each time
+
+
+def test_a_permanent_4xx_is_not_retried_and_drops_the_group_for_good(engine_url, tmp_path):
+    proxy = FaultyProxy(engine_url, [400])
+    try:
+        with producer_behind(proxy, tmp_path) as (producer, pull):
+            issue_one(producer)  # e0-i0: refused, dropped for good; its slot goes to the next prompt
+            issue_one(producer)  # e0-i1
+            group = receive(pull)
+            status = producer.on_status()
+    finally:
+        proxy.close()
+    assert status["dropped_for_good"] == {"e0-i0": "engine_http_400"}
+    assert status["num_failed"] == 1 and status["num_reissued"] == 0
+    assert metric(producer, "nanomiles_dropped_for_good_groups_total", {"reason": "engine_http_400"}) == 1
+    # one attempt only, and no wait for the engine's weights after it
+    calls = [(c[1], c[2], c[3], c[4]) for c in proxy.calls]
+    assert calls == [("POST", "/generate", 400, [PROMPTS[0]] * 2),
+                     ("POST", "/generate", 200, [PROMPTS[1]] * 2)], calls
+    assert group.group_id == "e0-i1" and status["num_sent"] == 1
+    assert status["outstanding_group_ids"] == ["e0-i1"]

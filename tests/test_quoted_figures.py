@@ -1,0 +1,360 @@
+"""Every measured figure the README and bench/results/gpu/README.md quote is read back from a committed result.
+
+A claim is a doc's exact text with `{}` for each figure, and for each figure the file under
+bench/results/ it comes from, the path to it in that file and a formatter. A re-run of a bench that
+changes a figure fails here, with what the result now says, until the doc says it too. The library's
+line counts, which the README gives as "about", are counted from the tree and may drift a little.
+"""
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from test_layout import MAX_MODULE_LINES
+
+from conftest import REPO
+
+RESULTS = REPO / "bench" / "results"
+README = "README.md"
+GPU = "bench/results/gpu/README.md"
+LINE_TOLERANCE = 0.03  # relative; "about N lines" may lag the tree by this much (or one rounding step)
+
+
+@dataclass(frozen=True)
+class Fig:
+    """One figure: `file` under bench/results/, `path` into it, `fmt` to the doc's text. A path step is
+    a key, a list index, {field: value} (the list element with that field) or a function."""
+
+    file: str
+    path: tuple
+    fmt: Callable[[object], str]
+
+
+@dataclass(frozen=True)
+class Claim:
+    doc: str
+    text: str    # the doc's text, whitespace as it likes; "{}" for each figure
+    figs: tuple
+
+
+def pct(digits: int):
+    return lambda v: f"{100 * v:.{digits}f}"
+
+
+def num(digits: int):
+    return lambda v: f"{v:.{digits}f}"
+
+
+def grouped(v) -> str:
+    return f"{v:,.0f}"
+
+
+def pct_short(v) -> str:
+    """85.5, 82, 85: a percentage with a decimal only when it has one."""
+    return f"{round(100 * v, 1):g}"
+
+
+def text(v) -> str:
+    return str(v)
+
+
+def F(file: str, *path, fmt=text) -> Fig:
+    return Fig(file, path, fmt)
+
+
+def C(doc: str, template: str, *figs: Fig) -> Claim:
+    assert template.count("{}") == len(figs), template
+    return Claim(doc, template, figs)
+
+
+# derived figures, each read off one result file
+def training_s(summary: dict) -> float:
+    """Seconds from the end of the first evaluation to the last one: the run's training time."""
+    return summary["evals"][-1][2] - summary["evals"][0][2]
+
+
+def first_reached(accuracy: float, *, since_start: bool = True) -> Callable[[dict], str]:
+    """`step N, T s` of the first evaluation at or above `accuracy`, or `not in N steps`."""
+    def read(summary: dict) -> str:
+        hit = next((e for e in summary["evals"] if e[1] >= accuracy - 1e-9), None)
+        if hit is None:
+            return f"not in {summary['num_steps']} steps"
+        t0 = summary["evals"][0][2] if since_start else 0.0
+        return f"step {hit[0]}, {hit[2] - t0:.0f} s"
+    return read
+
+
+def step_of_max(summary: dict) -> int:
+    return next(step for step, acc, _ in summary["evals"] if acc == summary["eval_accuracy_max"])
+
+
+def staleness_counts(summary: dict) -> str:
+    return " / ".join(f"{summary['staleness_hist'].get(str(k), 0):,}" for k in range(3))
+
+
+def per_step(summary: dict) -> int:
+    """Prompts per step."""
+    return summary["ledger"]["num_prompts"] // summary["num_steps"]
+
+
+def per_prompt(summary: dict) -> int:
+    """Samples per prompt."""
+    return sum(summary["staleness_hist"].values()) // summary["ledger"]["num_prompts"]
+
+
+def override(name: str) -> Callable[[dict], str]:
+    return lambda result: [o.split("=", 1)[1] for o in result["overrides"] if o.startswith(f"--{name}=")][-1]
+
+
+def pytest_summary(log: str) -> Callable[[str], str]:
+    """`5 passed, 1 deselected in 150.18` from the summary line of `log` in gpu_tests.txt."""
+    return lambda txt: re.search(rf"^{re.escape(log)}:=+ (.+?)s \(", txt, re.M).group(1)
+
+
+SWEEP, SYNC = "gpu/policy_sweep.json", "gpu/sync_run.json"
+STALE, B16 = "gpu/staleness.json", "gpu/staleness_b16_g8.json"
+TESTS, LAYOUT, WS_GPU = "gpu/gpu_tests.json", "gpu/gpu_tests_layout.json", "gpu/weight_sync_gpu.json"
+S, A = ("runs", 0, "summary"), ("runs", 1, "summary")  # staleness.json: the sync and the async run's summaries
+WS_CPU = "weight_sync.json"
+FLAT, ONE = ("paths", "flat"), ("paths", "one-tensor")
+
+
+def sweep_row(step: int, template: str) -> Claim:
+    row = ("rows", {"step": step})
+    return C(GPU, template, F(SWEEP, *row, "warmup_s", fmt=num(0)), F(SWEEP, *row, "greedy_accuracy", fmt=pct(1)),
+             F(SWEEP, *row, "pass@8", fmt=pct(1)))
+
+
+def update_row(path: str) -> Claim:
+    p = ("paths", path)
+    return C(GPU, f"| {path} | {{}} | {{}} | {{}} | {{}} | {{}} |",
+             *(F(WS_GPU, *p, k, fmt=num(2)) for k in ("total_ms", "p90_ms", "gather_ms", "serialize_ms", "apply_ms")))
+
+
+CLAIMS = [
+    # README.md
+    C(README, "(a {} M-parameter Qwen2 shipped in", F(WS_CPU, {"shape": "policy"}, "num_params",
+                                                    fmt=lambda v: f"{v / 1e6:.1f}")),
+    C(README, "that policy, shipped: a {} M-parameter Qwen2 and its tokenizer",
+      F(WS_CPU, {"shape": "policy"}, "num_params", fmt=lambda v: f"{v / 1e6:.1f}")),
+    C(README, "--out runs/policy-medium # {} s on an H200", F(SWEEP, "rows", {"step": 450}, "warmup_s", fmt=num(0))),
+    C(README, "(SGLang's `FlattenedTensorBucket`: {} ms on average in the medium policy's sync run)",
+      F(SYNC, "mean_update_ms", fmt=num(1))),
+    C(README, "on a fresh H200 the sync run's first evaluation took {} s; starting SGLang took {} s in "
+              "`bench/weight_sync_gpu.py`",
+      F(SYNC, "evals", 0, 2, fmt=num(0)), F(WS_GPU, "sglang_start_s", fmt=num(0))),
+    C(README, "with a {}-step warm-up; it starts at {} % held-out accuracy.",
+      F(SWEEP, "rows", {"step": 450}, "step"), F(SWEEP, "rows", {"step": 450}, "greedy_accuracy", fmt=pct(0))),
+    C(README, "On one H200 the sync run above reached {} % in {} steps and {} s of training",
+      F(SYNC, "eval_accuracy_max", fmt=pct(0)), F(SYNC, "num_steps"), F(SYNC, training_s, fmt=num(0))),
+    # bench/results/gpu/README.md: set-up and the GPU tests
+    C(GPU, "on one NVIDIA H200, SGLang {}, torch {},", F(STALE, "sglang"), F(STALE, "torch")),
+    C(GPU, 'tests/test_gpu.py -k "not pipeline": {}s tests/test_gpu.py -k pipeline: {}s These are the figures',
+      F("gpu/gpu_tests.txt", pytest_summary("pytest.log")),
+      F("gpu/gpu_tests.txt", pytest_summary("pytest_pipeline.log"))),
+    C(GPU, r"mean \|Δ log p\| ({} tokens) | {} |", F(TESTS, "parity_num_tokens"),
+      F(TESTS, "parity_prefill_bf16_mean_abs", fmt=num(4))),
+    C(GPU, "| rollout logprobs vs trainer bf16 | {} |", F(TESTS, "parity_rollout_bf16_mean_abs", fmt=num(4))),
+    C(GPU, "| engine bf16 vs trainer fp32 | {} |",
+      F(TESTS, "parity_prefill_engine_bf16_vs_trainer_fp32_mean_abs", fmt=num(4))),
+    C(GPU, "| parity after a CUDA-IPC update with perturbed weights | {} |",
+      F(TESTS, "parity_prefill_bf16_after_update_mean_abs", fmt=num(4))),
+    C(GPU, "| update of the small policy through `FlattenedTensorBucket` | {} ms |",
+      F(TESTS, "policy_bucket_update_ms", fmt=num(1))),
+    C(GPU, "| {}-step sync run under supervisord: held-out accuracy | {} % → {} % (max) |",
+      F(TESTS, "pipeline_summary", "num_steps"), F(TESTS, "pipeline_summary", "eval_accuracy_start", fmt=pct(0)),
+      F(TESTS, "pipeline_summary", "eval_accuracy_max", fmt=pct(0))),
+    C(GPU, "Parity {} / {} / {} / {} (the same to two digits), bucket update of the small policy {} ms, and the "
+           "{}-step run {} % → {} % held-out ({}), {} prompts trained once, {} lost, median in-loop update {} ms.",
+      *(F(LAYOUT, k, fmt=num(4)) for k in ("parity_prefill_bf16_mean_abs", "parity_rollout_bf16_mean_abs",
+                                            "parity_prefill_engine_bf16_vs_trainer_fp32_mean_abs",
+                                            "parity_prefill_bf16_after_update_mean_abs")),
+      F(LAYOUT, "policy_bucket_update_ms", fmt=num(1)), F(LAYOUT, "pipeline_summary", "num_steps"),
+      F(LAYOUT, "pipeline_summary", "eval_accuracy_start", fmt=pct(0)),
+      F(LAYOUT, "pipeline_summary", "eval_accuracy_max", fmt=pct_short),
+      F(LAYOUT, "pipeline_summary", lambda s: "max and end" if s["eval_accuracy_max"] == s["eval_accuracy_end"]
+        else f"max; {pct_short(s['eval_accuracy_end'])} % at the end"),
+      F(LAYOUT, "pipeline_summary", "ledger", "num_trained_once", fmt=grouped),
+      F(LAYOUT, "pipeline_summary", "ledger", "num_lost"), F(LAYOUT, "pipeline_update_ms_median", fmt=num(1))),
+    # the medium policy's warm-up sweep
+    sweep_row(150, "| 150 | {} | {} % | {} % |"),
+    sweep_row(300, "| 300 | {} | {} % | {} % |"),
+    sweep_row(450, "| **450** | {} | **{} %** | {} % |"),
+    sweep_row(600, "| 600 | {} | {} % | {} % |"),
+    sweep_row(900, "| 900 | {} | {} % | {} % |"),
+    sweep_row(3000, "| 3000 | {} | {} % | {} % |"),
+    # the sync run following the README
+    C(GPU, "- {} steps × {} prompts × {} samples, lr 1e-4.", F(SYNC, "num_steps"), F(SYNC, per_step),
+      F(SYNC, per_prompt)),
+    C(GPU, "Held-out accuracy went from **{} % to {} %** (max, step {}) and ended at {} %. It first reached 90 % "
+           "at {} of training.", F(SYNC, "eval_accuracy_start", fmt=pct(1)), F(SYNC, "eval_accuracy_max", fmt=pct(1)),
+      F(SYNC, step_of_max), F(SYNC, "eval_accuracy_end", fmt=pct(1)),
+      F(SYNC, first_reached(0.9), fmt=lambda v: v.replace(", ", ", after "))),
+    C(GPU, "- {} prompts, each trained once; {} lost.", F(SYNC, "ledger", "num_trained_once", fmt=grouped),
+      F(SYNC, "ledger", "num_lost", fmt=lambda n: "none" if n == 0 else str(n))),
+    C(GPU, "- Step time {} s on average; weight update {} ms.", F(SYNC, "mean_step_s", fmt=num(2)),
+      F(SYNC, "mean_update_ms", fmt=num(1))),
+    C(GPU, "On that fresh host the first evaluation took {} s", F(SYNC, "evals", 0, 2, fmt=num(0))),
+    # sync vs async
+    C(GPU, "- {} steps × {} × {}, lr {}. Files: `staleness.json`", F(STALE, *S, "num_steps"), F(STALE, *S, per_step),
+      F(STALE, *S, per_prompt), F(STALE, override("trainer.lr"))),
+    C(GPU, "The sync run came first and paid {} s of kernel compilation in its first evaluation; counting that "
+           "would make async look {}× faster.", F(STALE, "runs", 0, "startup_s", fmt=num(0)),
+      F(STALE, lambda r: r["runs"][0]["summary"]["wall_s"] / r["runs"][1]["summary"]["wall_s"], fmt=num(1))),
+    C(GPU, "| sync | {} | {} | {} → {} / {} % | {} | {} | {} |", F(STALE, "runs", 0, "train_s", fmt=num(0)),
+      F(STALE, "runs", 0, "samples_per_s", fmt=grouped), F(STALE, *S, "eval_accuracy_start", fmt=pct(1)),
+      F(STALE, *S, "eval_accuracy_max", fmt=pct(1)), F(STALE, *S, "eval_accuracy_end", fmt=pct(1)),
+      F(STALE, *S, first_reached(0.9, since_start=False)), F(STALE, *S, "goodput", fmt=num(3)),
+      F(STALE, *S, staleness_counts)),
+    C(GPU, "| async S=2 | {} | {} (**{}×**) | {} → {} / {} % | {} | {} | {} |",
+      F(STALE, "runs", 1, "train_s", fmt=num(0)), F(STALE, "runs", 1, "samples_per_s", fmt=grouped),
+      F(STALE, "runs", 1, "samples_per_s_ratio_to_sync", fmt=num(2)), F(STALE, *A, "eval_accuracy_start", fmt=pct(1)),
+      F(STALE, *A, "eval_accuracy_max", fmt=pct(1)), F(STALE, *A, "eval_accuracy_end", fmt=pct(1)),
+      F(STALE, *A, first_reached(0.9, since_start=False)), F(STALE, *A, "goodput", fmt=num(3)),
+      F(STALE, *A, staleness_counts)),
+    C(GPU, "An earlier pair of runs used {} steps × {} prompts × {} samples at lr {}, starting from the "
+           "300-step warm-up ({} %).",
+      F(B16, "runs", 0, "summary", "num_steps"), F(B16, "runs", 0, "summary", per_step),
+      F(B16, "runs", 0, "summary", per_prompt), F(B16, override("trainer.lr")),
+      F(B16, "runs", 0, "summary", "eval_accuracy_start", fmt=pct(0))),
+    C(GPU, "when start-up was {} s because", F(B16, "runs", 0, "summary", "evals", 0, 2, fmt=num(1))),
+    C(GPU, "| sync | {} | {} / {} % |", F(B16, "runs", 0, "samples_per_s", fmt=grouped),
+      F(B16, "runs", 0, "summary", "eval_accuracy_max", fmt=pct_short),
+      F(B16, "runs", 0, "summary", "eval_accuracy_end", fmt=pct_short)),
+    C(GPU, "| async | {} (**{}×**) | {} / {} % |", F(B16, "runs", 1, "samples_per_s", fmt=grouped),
+      F(B16, "runs", 1, "samples_per_s_ratio_to_sync", fmt=num(2)),
+      F(B16, "runs", 1, "summary", "eval_accuracy_max", fmt=pct_short),
+      F(B16, "runs", 1, "summary", "eval_accuracy_end", fmt=pct_short)),
+    C(GPU, "Both runs stalled near that policy's pass@8 ({} %)", F(SWEEP, "rows", {"step": 300}, "pass@8", fmt=pct(1))),
+    C(GPU, "### Why async is {}× here", F(STALE, "runs", 1, "samples_per_s_ratio_to_sync", fmt=num(2))),
+    C(GPU, "- **Sync:** {} samples/s; a step took {} s on average (evaluations included), the weight update {} ms "
+           "of it.", F(STALE, "runs", 0, "samples_per_s", fmt=grouped), F(STALE, *S, "mean_step_s", fmt=num(2)),
+      F(STALE, *S, "mean_update_ms", fmt=num(1))),
+    C(GPU, "- **Async S=2:** {} samples/s with up to {} requests in flight, three times sync's {}.",
+      F(STALE, "runs", 1, "samples_per_s", fmt=grouped),
+      F(STALE, lambda r: (r["runs"][1]["summary"]["staleness_max"] + 1) * per_step(r["runs"][0]["summary"])
+        * per_prompt(r["runs"][0]["summary"]), fmt=grouped),
+      F(STALE, *S, lambda s: per_step(s) * per_prompt(s), fmt=grouped)),
+    C(GPU, "Three times the concurrency bought {}× the samples/s",
+      F(STALE, "runs", 1, "samples_per_s_ratio_to_sync", fmt=num(2))),
+    C(GPU, "Each async update also costs more than a sync one, {} ms on average against {} ms.",
+      F(STALE, *A, "mean_update_ms", fmt=num(1)), F(STALE, *S, "mean_update_ms", fmt=num(1))),
+    # weight hot-update into SGLang
+    C(GPU, "Qwen2.5-0.5B-Instruct shape: {} parameters, {} tensors, {} MB.", F(WS_GPU, "num_params", fmt=grouped),
+      F(WS_GPU, "num_tensors"), F(WS_GPU, "mbytes", fmt=num(0))),
+    C(GPU, "- Medians of {} rounds;", F(WS_GPU, "repeats")),
+    *(update_row(p) for p in ("bucket-1", "bucket-512MiB", "flat", "one-tensor", "disk")),
+    C(GPU, "p50 {} ms against a target of {} ms. That is {}× faster than SGLang's stock `FlattenedTensorBucket` "
+           "path and {}× faster than disk.", F(WS_GPU, *FLAT, "total_ms", fmt=num(2)),
+      F(WS_GPU, "target_p50_ms", fmt=num(0)),
+      F(WS_GPU, "paths", lambda p: p["bucket-1"]["total_ms"] / p["flat"]["total_ms"], fmt=num(1)),
+      F(WS_GPU, "paths", lambda p: p["disk"]["total_ms"] / p["flat"]["total_ms"], fmt=num(0))),
+    C(GPU, "Its apply ({} ms) is within {} ms of an update call that carries a single small tensor ({} ms).",
+      F(WS_GPU, *FLAT, "apply_ms", fmt=num(2)),
+      F(WS_GPU, "paths", lambda p: p["flat"]["apply_ms"] - p["one-tensor"]["apply_ms"],
+        fmt=lambda v: f"{math.ceil(10 * v) / 10:.1f}"),
+      F(WS_GPU, *ONE, "apply_ms", fmt=num(2))),
+    C(GPU, "a bucket update took {}–{} ms on average in the sync runs above",
+      F(STALE, *S, "mean_update_ms", fmt=num(1)),
+      F(SYNC, "mean_update_ms", fmt=num(1))),
+    C(GPU, "give identical engine logprobs on a probe (max |gap| {}).",
+      F(WS_GPU, "max_abs_logprob_gap_between_paths", fmt=lambda v: f"{v:.1e}")),
+]
+
+
+def squeeze(s: str) -> str:
+    return " ".join(s.split())
+
+
+def read_result(name: str):
+    path = RESULTS / name
+    assert path.exists(), f"{path.relative_to(REPO)} is quoted but not committed"
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+
+
+def resolve(fig: Fig):
+    value = read_result(fig.file)
+    for step in fig.path:
+        if callable(step):
+            value = step(value)
+        elif isinstance(step, dict):
+            (field, wanted), = step.items()
+            value = next(item for item in value if item[field] == wanted)
+        else:
+            value = value[step]
+    return value
+
+
+def where(fig: Fig) -> str:
+    steps = [getattr(s, "__name__", "<derived>") if callable(s) else str(s) for s in fig.path]
+    return f"{fig.file}:{'/'.join(steps)}"
+
+
+def doc_figures(doc_text: str, template: str) -> list[str] | None:
+    """What the doc says in each `{}` of the template, if the text around them is still there."""
+    parts = [re.escape(p) for p in squeeze(template).split("{}")]
+    match = re.search(r"([^|]{1,60}?)".join(parts), doc_text)  # a figure is short and within a table cell
+    return None if match is None else [g.strip() for g in match.groups()]
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: f"{Path(c.doc).parent.name or 'README'}:{c.text[:50]}")
+def test_a_quoted_figure_is_what_its_result_file_holds(claim: Claim):
+    values = [resolve(f) for f in claim.figs]
+    expected = squeeze(claim.text.format(*(f.fmt(v) for f, v in zip(claim.figs, values))))
+    doc_text = squeeze((REPO / claim.doc).read_text())
+    if expected in doc_text:
+        return
+    said = doc_figures(doc_text, claim.text)
+    if said is None:
+        pytest.fail(f"{claim.doc} no longer has this text; with today's results it would read:\n  {expected}")
+    wrong = [f"the doc says {s!r}; {where(f)} now holds {v!r}, i.e. {f.fmt(v)!r}"
+             for f, v, s in zip(claim.figs, values, said) if squeeze(f.fmt(v)) != s]
+    pytest.fail(f"{claim.doc} must be updated:\n  " + "\n  ".join(wrong) + f"\nto read:\n  {expected}")
+
+
+# ---------------------------------------------------------------- sizes counted from the tree
+@pytest.mark.parametrize("doc", [README, GPU])
+def test_the_docs_give_the_medium_policy_the_size_it_has(doc):
+    from nano_miles.policy import build_model
+    num_params = sum(p.numel() for p in build_model(0, "medium").parameters())
+    said = re.findall(r"([\d.]+) M parameters", squeeze((REPO / doc).read_text()))
+    assert said == [f"{num_params / 1e6:.1f}"], f"{doc} says {said} M parameters; the medium policy has {num_params:,}"
+
+
+PACKAGE = REPO / "nano_miles"
+SAMPLE_PATH = ("stages", "wire", "algo", "engine/client.py", "weights/tensor_sender.py", "weights/tensor_receiver.py")
+
+
+def num_lines(*parts: str) -> int:
+    """Physical lines of every .py file under each part of the package (a folder or one module)."""
+    files = [p for part in parts for p in ([PACKAGE / part] if part.endswith(".py")
+                                           else sorted((PACKAGE / part).rglob("*.py")))]
+    return sum(len(p.read_text().splitlines()) for p in files)
+
+
+FOLDERS = ("stages", "local_engine", "observe", "wire", "run", "weights", "engine", "policy.py", "tasks", "algo")
+SIZE_CLAIMS = [  # (template, [(name, counted, is_about)])
+    ("The library is about {} lines of Python in {} modules, none over {} lines",
+     [("lines", num_lines("."), True), ("modules", len(list(PACKAGE.rglob("*.py"))), False),
+      ("module budget (tests/test_layout.py)", MAX_MODULE_LINES, False)]),
+    ("Per folder: " + ", ".join(f"{f} {{}}" for f in FOLDERS) + ".", [(f, num_lines(f), True) for f in FOLDERS]),
+    ("(wire, the engine client, algo, the tensor transport): about {} lines.",
+     [(" + ".join(SAMPLE_PATH), num_lines(*SAMPLE_PATH), True)]),
+]
+
+
+@pytest.mark.parametrize("template, counts", SIZE_CLAIMS, ids=lambda x: x[:40] if isinstance(x, str) else "")
+def test_the_readme_gives_the_library_size_the_tree_has(template, counts):
+    said = doc_figures(squeeze((REPO / README).read_text()), template)
+    assert said is not None, f"README.md no longer has: {template}"
+    wrong = []
+    for (name, counted, is_about), text in zip(counts, said):
+        figure = int(text.replace(",", ""))
+        slack = max(LINE_TOLERANCE * counted, 10) if is_about else 0
+        if abs(figure - counted) > slack:
+            wrong.append(f"{name}: the README says {text}, the tree has {counted:,}")
+    assert not wrong, "README.md must be updated: " + "; ".join(wrong)
