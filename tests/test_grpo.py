@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from nano_miles.algo.grpo import assemble_batch, group_advantages, token_logprobs
+from nano_miles.algo.grpo import ZERO_STD, assemble_batch, group_advantages, token_logprobs
 
 
 def test_whitening_matches_formula():
@@ -20,9 +20,25 @@ def test_whitening_matches_formula():
 
 
 def test_all_equal_and_single_sample_groups_give_exact_zero():
-    rewards = torch.tensor([[0.7, 0.7, 0.7], [1.0, 1.0, 1.0 + 1e-9]])
+    rewards = torch.tensor([[0.7, 0.7, 0.7], [-2.0, -2.0, -2.0]])
     assert torch.equal(group_advantages(rewards), torch.zeros(2, 3))
     assert torch.equal(group_advantages(torch.tensor([[3.0], [-1.0]])), torch.zeros(2, 1))
+
+
+def test_spread_of_a_few_ulps_is_float_noise_and_gives_exact_zero():
+    one = np.float32(1.0)
+    up = np.nextafter(one, np.float32(2.0))           # 1 + 2**-23, the next float32 above 1
+    two_up = np.nextafter(up, np.float32(2.0))
+    rewards = torch.tensor(np.array([[one, one, up], [up, one, two_up]], dtype=np.float32))
+    std = rewards.double().std(dim=1, unbiased=False)
+    assert (std > 0).all() and (std < ZERO_STD).all()  # really different rewards, below the guard
+    assert torch.equal(group_advantages(rewards), torch.zeros(2, 3))
+    # a spread just above the guard still carries signal: whitened by the formula, eps included
+    signal = torch.tensor([[0.0, 0.0, 1e-6]])
+    r = signal[0].double()
+    expected = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+    assert torch.allclose(group_advantages(signal)[0].double(), expected, atol=1e-6)
+    assert expected.abs().min() > 0.2
 
 
 def test_groups_are_independent():
@@ -53,6 +69,40 @@ def test_batch_alignment_shift_by_one():
     assert torch.allclose(b.old_logprobs[0], torch.tensor([0, 0, -0.1, -0.2]))
     assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
     assert b.num_tokens == 5
+
+
+def test_batch_with_padding_inside_keeps_every_row_aligned(policy_dir):
+    pad = 250  # a pad id no sample uses, so every padded position is visible
+    prompts = [np.array([11, 12]), np.array([31, 32, 33, 34]), np.array([51])]
+    responses = [np.array([21, 22, 23, 24, 25]), np.array([41]), np.array([61, 62])]
+    logprobs = [np.array([-0.1, -0.2, -0.3, -0.4, -0.5]), np.array([-0.6]), np.array([-0.7, -0.8])]
+    b = assemble_batch(prompts, responses, logprobs, [0.5, -1.5, 2.0], pad_id=pad)
+    # T = 7 (the longest sample), 6 prediction positions; the shorter rows are right-padded
+    assert b.input_ids.tolist() == [[11, 12, 21, 22, 23, 24], [31, 32, 33, 34, 41, pad],
+                                    [51, 61, 62, pad, pad, pad]]
+    assert b.targets.tolist() == [[12, 21, 22, 23, 24, 25], [32, 33, 34, 41, pad, pad],
+                                  [61, 62, pad, pad, pad, pad]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
+    assert b.loss_mask.tolist() == [[False, True, True, True, True, True],
+                                    [False, False, False, True, False, False],
+                                    [True, True, False, False, False, False]]
+    assert b.advantages.tolist() == [[0, 0.5, 0.5, 0.5, 0.5, 0.5], [0, 0, 0, -1.5, 0, 0], [2, 2, 0, 0, 0, 0]]
+    f = np.float32
+    assert b.old_logprobs.tolist() == [[0, f(-0.1), f(-0.2), f(-0.3), f(-0.4), f(-0.5)],
+                                       [0, 0, 0, f(-0.6), 0, 0], [f(-0.7), f(-0.8), 0, 0, 0, 0]]
+    assert b.num_tokens == 8
+    # no padded position is trained on or attended to
+    assert not (b.loss_mask & (b.targets == pad)).any()
+    assert not ((b.attention_mask == 1) & (b.input_ids == pad)).any()
+    # the padded batch scores each response as a forward of that sample alone does (to fp32 rounding)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        batched = token_logprobs(model, b.input_ids, b.targets, b.attention_mask)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids = torch.tensor([np.concatenate([p, r]).tolist()])
+            alone = token_logprobs(model, ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, :-1]))[0]
+            assert torch.allclose(batched[i][b.loss_mask[i]], alone[len(p) - 1:], atol=1e-5), i
 
 
 def test_batch_rejects_inconsistent_samples():

@@ -69,6 +69,41 @@ def test_group_rollout_to_loss_end_to_end_with_step0_parity(engine_url, policy):
     assert torch.allclose(adv.view(4, G).sum(dim=1), torch.zeros(4), atol=1e-4)
 
 
+def test_trainer_logprobs_match_the_engine_sampling_with_temperature_top_k_and_top_p(engine_url, policy):
+    """The engine reports log_softmax(logits / T) before top-k/top-p truncation (SGLang's semantics), so
+    the trainer's logprobs at the same T reproduce them although sampling was truncated."""
+    model, tokenizer = policy
+    engine = EngineClient(engine_url)
+    push_weights(engine, model, 0)
+    temperature, top_k, top_p = 0.7, 4, 0.9  # a small k: top 20 holds > 99.9 % of this peaked policy
+    prompts = encode_prompts(tokenizer, make_problems("train", 4, seed=2))
+    requests = [p for p in prompts for _ in range(4)]
+    params = [{"max_new_tokens": 24, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+               "ignore_eos": True, "sampling_seed": 100 + i} for i in range(len(requests))]
+    rows = [parse_output(out["meta_info"], out["output_ids"])[:2] for out in engine.generate(requests, params)]
+    batch = assemble_batch([np.array(p) for p in requests], [np.array(tokens) for tokens, _ in rows],
+                           [np.array(logprobs, np.float32) for _, logprobs in rows], [0.0] * len(rows),
+                           tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logp = token_logprobs(model, batch.input_ids, batch.targets, batch.attention_mask, temperature)
+    out = ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
+    assert out.parity <= 1e-5  # the bound of the temperature-1 case above
+    gaps = (logp - batch.old_logprobs)[batch.loss_mask].abs()
+    assert gaps.max() <= 1e-4
+    # sampling was truncated all the same: every sampled token is among the top k, and inside the top-p
+    # nucleus of the top-k distribution; and the truncation cut off a part of the mass at many positions
+    probs = torch.softmax(logits[batch.loss_mask].double() / temperature, -1)
+    chosen = probs.gather(1, batch.targets[batch.loss_mask][:, None])
+    assert ((probs > chosen).sum(dim=1) < top_k).all()
+    top = probs.sort(dim=1, descending=True).values[:, :top_k]
+    mass_above = torch.where(top > chosen, top, torch.zeros_like(top)).sum(dim=1)
+    assert (mass_above < top_p * top.sum(dim=1) + 1e-6).all()
+    mass_before = top.cumsum(dim=1) - top
+    kept = torch.where(mass_before < top_p * top.sum(dim=1, keepdim=True), top, torch.zeros_like(top)).sum(dim=1)
+    assert (1 - kept > 1e-2).float().mean() > 0.05
+
+
 def test_one_step_moves_logprobs_along_advantages_and_sync_restores_parity(engine_url, policy_dir):
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))

@@ -1,5 +1,7 @@
 """Dual-clip PPO loss: exact values, clipping, mask isolation, step-0 parity."""
 
+import math
+
 import pytest
 import torch
 
@@ -88,3 +90,53 @@ def test_truncated_is_weights():
     base = ppo_loss(logp, old, torch.ones(1, 4), mask)
     weighted = ppo_loss(logp, old, torch.ones(1, 4), mask, is_weights=w)
     assert weighted.loss.item() == pytest.approx(base.loss.item() * w[0, :3].mean().item())
+
+
+def reference_pg(log_ratio: float, adv: float) -> tuple[float, bool, bool, float]:
+    """One token of CFG's dual-clip loss in plain floats: (loss, clipped, dual-capped, d loss / d logp)."""
+    rho = math.exp(log_ratio)
+    unclipped = -rho * adv
+    clipped = -min(max(rho, 1 - CFG.eps_clip), 1 + CFG.eps_clip_high) * adv
+    value, grad = (clipped, 0.0) if clipped > unclipped else (unclipped, -rho * adv)
+    is_dual = adv < 0 and value > -CFG.dual_clip_c * adv
+    if is_dual:
+        value, grad = -CFG.dual_clip_c * adv, 0.0
+    return value, clipped > unclipped, is_dual, grad
+
+
+def test_batch_loss_is_a_token_mean_over_rows_of_different_lengths():
+    # per row: (advantage, [(log-ratio, IS weight) per response token], response offset in the row)
+    rows = [(1.0, [(0.1, 1.0), (0.5, 0.5), (-0.5, 2.0), (0.0, 1.5)], 0),   # 4 tokens: inside, capped, low, ratio 1
+            (-2.0, [(2.0, 0.8)], 2),                                         # 1 token: dual clip
+            (-0.5, [(-0.5, 1.0), (0.2, 1.2)], 1)]                            # 2 tokens: floor, inside
+    width = 5
+    # off the mask: finite junk that would change every figure if it leaked in
+    logp, old, adv = torch.full((3, width), 5.0), torch.full((3, width), -1.0), torch.full((3, width), 7.0)
+    weights, mask = torch.full((3, width), 100.0), torch.zeros(3, width, dtype=torch.bool)
+    total, num_clipped, num_dual, row_means = 0.0, 0, 0, []
+    grads = torch.zeros(3, width, dtype=torch.float64)
+    num_tokens = sum(len(tokens) for _, tokens, _ in rows)
+    for i, (a, tokens, start) in enumerate(rows):
+        row_sum = 0.0
+        for j, (log_ratio, w) in enumerate(tokens):
+            t = start + j
+            old[i, t] = -0.25 * (t + 1)
+            logp[i, t] = old[i, t] + log_ratio
+            adv[i, t], weights[i, t], mask[i, t] = a, w, True
+            value, is_clipped, is_dual, grad = reference_pg(log_ratio, a)
+            row_sum += w * value
+            num_clipped, num_dual = num_clipped + is_clipped, num_dual + is_dual
+            grads[i, t] = w * grad / num_tokens
+        total += row_sum
+        row_means.append(row_sum / len(tokens))
+    assert (num_tokens, num_clipped, num_dual) == (7, 2, 1)
+    token_mean = total / num_tokens
+    assert abs(token_mean - sum(row_means) / len(rows)) > 0.5  # the two ways of averaging really differ here
+    logp.requires_grad_(True)
+    out = ppo_loss(logp, old, adv, mask, CFG, is_weights=weights)
+    assert out.num_tokens == num_tokens
+    assert out.loss.item() == pytest.approx(token_mean, rel=1e-5)
+    assert out.clip_fraction == pytest.approx(num_clipped / num_tokens)
+    assert out.dual_clip_fraction == pytest.approx(num_dual / num_tokens)
+    out.loss.backward()
+    assert torch.allclose(logp.grad.double(), grads, atol=1e-6)  # every token weighs 1 / num_tokens

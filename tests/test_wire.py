@@ -4,6 +4,7 @@ Run: `pytest tests/test_wire.py`. Regenerate the golden files only for a deliber
 also bumps `v`): `python tests/test_wire.py regen-golden`.
 """
 
+import struct
 import sys
 import threading
 from pathlib import Path
@@ -44,7 +45,9 @@ def fixed_group() -> RolloutGroup:
 
 
 def fixed_scored() -> ScoredGroup:
-    return ScoredGroup(fixed_group(), rewards=f32(1.0, 0.0), advantages=f32(0.70710677, -0.70710677),
+    # advantages as the reward stage whitens rewards [1, 0]: population std 0.5, eps 1e-6
+    a = 0.5 / (0.5 + 1e-6)
+    return ScoredGroup(fixed_group(), rewards=f32(1.0, 0.0), advantages=f32(a, -a),
                        reward_parts={"format": f32(1.0, 1.0), "accuracy": f32(1.0, 0.0)})
 
 
@@ -85,6 +88,63 @@ def test_golden_decodes_back_equal():
     assert scored == fixed_scored()
     assert scored != ScoredGroup(fixed_group(), f32(1, 1), f32(0, 0))  # equality is not vacuous
     assert not scored.rewards.flags.writeable  # a zero-copy view over the received bytes
+
+
+def le_bytes(fmt: str, *values) -> bytes:
+    """Little-endian int32 ("i") or float32 ("f") bytes, packed by struct: no numpy, no encoder."""
+    return struct.pack(f"<{len(values)}{fmt}", *values)
+
+
+def hand_built_map(kind: str) -> dict:
+    """The golden group laid out by hand from the schema in nano_miles/wire/data.py (key order as sent)."""
+    m = {"v": 2, "kind": kind, "run_id": "3f9a2c71d0be", "group_id": "e2-i123", "attempt": 1,
+         "prompt_tokens": le_bytes("i", 1, 17, 4099),
+         "samples": [{"response_tokens": le_bytes("i", 5, 6, 7, 2),
+                      "logprobs": le_bytes("f", -0.5, -1.25, -0.0, -3.0),
+                      "versions": le_bytes("i", 4, 4, 5, 5), "finish_reason": "stop"},
+                     {"response_tokens": le_bytes("i", 8, 9), "logprobs": le_bytes("f", -0.75, -2.0),
+                      "versions": le_bytes("i", 4, 4), "finish_reason": "length"}],
+         "metadata": {"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False},
+         "timestamps": {"rollout": 1767225600.25, "reward": 1767225601.5}}
+    if kind == "scored":
+        a = 0.5 / (0.5 + 1e-6)  # rewards [1, 0]: (r - 0.5) / (population std 0.5 + eps 1e-6)
+        m.update(rewards=le_bytes("f", 1.0, 0.0), advantages=le_bytes("f", a, -a),
+                 reward_parts={"format": le_bytes("f", 1.0, 1.0), "accuracy": le_bytes("f", 1.0, 0.0)})
+    return m
+
+
+def test_hand_built_bytes_decode_field_by_field_and_are_the_golden_files():
+    """An independent check of the golden files: bytes packed here without the project's encoder."""
+    for kind in ("rollout", "scored"):
+        assert msgpack.packb(hand_built_map(kind)) == (GOLDEN / f"{kind}_v2.msgpack").read_bytes(), kind
+    data = msgpack.packb(hand_built_map("scored"))
+    scored = decode_scored(data)
+    g = scored.group
+    assert (g.group_id, g.run_id, g.attempt) == ("e2-i123", "3f9a2c71d0be", 1)
+    arrays = [g.prompt_tokens, scored.rewards, scored.advantages, *scored.reward_parts.values()]
+    for s in g.samples:
+        arrays += [s.response_tokens, s.logprobs, s.versions]
+    assert all(a.dtype.str in ("<i4", "<f4") for a in arrays)
+    assert g.prompt_tokens.tolist() == [1, 17, 4099]
+    assert [s.response_tokens.tolist() for s in g.samples] == [[5, 6, 7, 2], [8, 9]]
+    assert [s.logprobs.tolist() for s in g.samples] == [[-0.5, -1.25, -0.0, -3.0], [-0.75, -2.0]]
+    assert [s.versions.tolist() for s in g.samples] == [[4, 4, 5, 5], [4, 4]]
+    assert [s.finish_reason for s in g.samples] == ["stop", "length"]
+    assert g.metadata == {"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False}
+    assert g.timestamps == {"rollout": 1767225600.25, "reward": 1767225601.5}
+    a = struct.unpack("<f", struct.pack("<f", 0.5 / (0.5 + 1e-6)))[0]  # the float32 nearest 0.999998
+    assert scored.rewards.tolist() == [1.0, 0.0] and scored.advantages.tolist() == [a, -a]
+    parts = {k: v.tolist() for k, v in scored.reward_parts.items()}
+    assert parts == {"format": [1.0, 1.0], "accuracy": [1.0, 0.0]}
+
+
+def test_fixture_advantages_are_what_the_reward_stage_computes():
+    import torch
+
+    from nano_miles.algo.grpo import group_advantages
+    fixture = fixed_scored()
+    computed = group_advantages(torch.from_numpy(fixture.rewards)[None, :])[0].numpy()
+    assert np.array_equal(computed, fixture.advantages)
 
 
 def test_group_properties_and_ids():

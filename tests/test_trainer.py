@@ -1,0 +1,161 @@
+"""The trainer's step on the shipped policy: truncated importance sampling, and resuming from a checkpoint.
+
+Run: `pytest tests/test_trainer.py`. A real `Trainer` (its PULL socket bound on an ipc:// path under
+tmp_path) takes steps on scored groups built here; no peer is needed, since `optimize` and the
+checkpoint calls are the step loop without the commit and the weight push.
+"""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nano_miles.run.config import load_config
+from nano_miles.stages.trainer.checkpoint import save_checkpoint
+from nano_miles.stages.trainer.step_loop import Trainer
+from nano_miles.tasks import encode_prompts
+from nano_miles.tasks.arithmetic import make_expressions, make_problems
+from nano_miles.wire.codec import make_group_id
+from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup
+
+TEMPERATURE = 0.8
+TIS_CLIP = 1.5
+ADVANTAGE = 0.5 / (0.5 + 1e-6)  # rewards [1, 0], whitened with the population std
+
+
+@pytest.fixture
+def make_trainer(policy_dir, tmp_path, monkeypatch):
+    """Trainers on one run directory, each with a fresh copy of the shipped policy and its own socket."""
+    monkeypatch.delenv("NANOMILES_OVERRIDES", raising=False)
+    monkeypatch.delenv("NANOMILES_CONFIG", raising=False)
+    (tmp_path / "run").mkdir()
+    ctx, trainers = zmq.Context(), []
+    pad_id = AutoTokenizer.from_pretrained(policy_dir).pad_token_id
+
+    def make(*overrides: str) -> Trainer:
+        cfg = load_config(overrides=[
+            f"--run.dir={tmp_path}/run", f"--trainer.endpoint=ipc://{tmp_path}/t{len(trainers)}",
+            "--trainer.metrics_port=0", "--metrics.queue_sample_s=0", f"--rollout.temperature={TEMPERATURE}",
+            "--trainer.lr=1e-3", *overrides])
+        model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+        trainers.append(Trainer(cfg, ctx, model, evaluator=None, pad_id=pad_id))
+        return trainers[-1]
+    yield make
+    for t in trainers:
+        t.pull.close(linger=0)
+    ctx.destroy(linger=0)
+
+
+def response_logprobs(model, prompt: list[int], response: list[int]) -> np.ndarray:
+    """log softmax(logits / T) of each response token, from one plain forward of the sample alone."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].double()
+    logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+    return logp.numpy()
+
+
+def scored_groups(policy_dir, first_index: int, log_w: list[float]) -> list[ScoredGroup]:
+    """Two groups of two samples (a worked answer and a cut-short one, rewards [1, 0]) whose behaviour
+    logprobs are the base policy's minus `log_w` (cycled over the tokens): log pi_old - log pi_engine."""
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    problems = make_problems("train", first_index + 2)[first_index:]
+    expressions = make_expressions("train", first_index + 2)[first_index:]
+    groups, k = [], 0
+    for i, (expression, prompt) in enumerate(zip(expressions, encode_prompts(tokenizer, problems))):
+        text = expression.worked_response()
+        samples = []
+        for response_text in (text, text[:4 + 3 * i]):
+            response = tokenizer(response_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            offsets = [log_w[(k + j) % len(log_w)] for j in range(len(response))]
+            k += len(response)
+            behaviour = response_logprobs(model, prompt, response) - np.array(offsets)
+            samples.append(Sample(np.array(response, np.int32), behaviour.astype(np.float32),
+                                  np.zeros(len(response), np.int32), "stop"))
+        group = RolloutGroup(make_group_id(0, first_index + i), 0, np.array(prompt, np.int32), samples,
+                             run_id="run-test")
+        groups.append(ScoredGroup(group, np.array([1.0, 0.0], np.float32),
+                                  np.array([ADVANTAGE, -ADVANTAGE], np.float32)))
+    return groups
+
+
+def take_step(trainer: Trainer, groups: list[ScoredGroup]):
+    """One step of `Trainer.train` without its peers: step counter, optimize, new weight version."""
+    trainer.state.step += 1
+    stats = trainer.optimize(groups)
+    trainer.state.version = trainer.step
+    return stats
+
+
+def test_recomputed_old_logprobs_take_the_ratio_and_truncated_is_weights_correct_to_the_engine(
+        make_trainer, policy_dir):
+    log_w = [0.8, -0.3, 0.0, 0.2, -1.0, 0.6]  # 0.8 and 0.6 exceed log(TIS_CLIP) = 0.405: truncated
+    groups = scored_groups(policy_dir, 0, log_w)
+    trainer = make_trainer("--trainer.recompute_old_logprobs=true", f"--trainer.tis_clip={TIS_CLIP}")
+    # expected, token by token in plain floats: pi_old is the trainer's model before the step (the
+    # base policy, so the PPO ratio is exactly 1), pi_engine the behaviour logprobs on the wire
+    base = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32).eval()
+    weights, weighted_adv, gaps = [], 0.0, []
+    for sg in groups:
+        prompt = sg.group.prompt_tokens.tolist()
+        for sample, adv in zip(sg.group.samples, sg.advantages):
+            old = response_logprobs(base, prompt, sample.response_tokens.tolist())
+            for o, e in zip(old, sample.logprobs.astype(np.float64)):
+                w = min(math.exp(o - e), TIS_CLIP)
+                weights.append(w)
+                weighted_adv += w * float(adv)
+                gaps.append(abs(o - e))
+    assert sum(w >= TIS_CLIP for w in weights) >= 4 and sum(w < 1 for w in weights) >= 4
+
+    stats = take_step(trainer, groups)
+    assert stats.num_tokens == len(weights)
+    assert stats.is_weight_mean == pytest.approx(sum(weights) / len(weights), rel=1e-5)
+    assert stats.is_weight_max == pytest.approx(TIS_CLIP, rel=1e-6)
+    assert stats.is_weight_clipped == pytest.approx(sum(w >= TIS_CLIP for w in weights) / len(weights))
+    # ratio = pi_theta / pi_old(recomputed) = 1: nothing is clipped, the loss is -mean(w * A);
+    # against the engine's logprobs the ratio would be e^0.8 on some tokens and clipped there
+    assert stats.clip_fraction == 0.0
+    assert stats.pg_loss == pytest.approx(-weighted_adv / len(weights), rel=1e-5)
+    assert stats.parity == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)  # still measured to the engine
+
+
+def optimizer_state(trainer: Trainer) -> dict:
+    return copy.deepcopy(trainer.optimizer.state_dict())
+
+
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for k, state in a["state"].items():
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"} == set(b["state"][k])
+        for name, value in state.items():
+            assert torch.equal(value, b["state"][k][name]), (k, name)
+
+
+def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_trainer, policy_dir):
+    batches = [scored_groups(policy_dir, 2 * n, [0.1, -0.2, 0.0]) for n in range(3)]
+    trainer = make_trainer()
+    for groups in batches[:2]:
+        take_step(trainer, groups)
+    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.optimizer, trainer.state)
+    saved_state, saved_optimizer = copy.deepcopy(trainer.state), optimizer_state(trainer)
+    assert (saved_state.step, saved_state.version, saved_state.cursor) == (2, 2, 4)
+    assert all(int(s["step"]) == 2 for s in saved_optimizer["state"].values())
+
+    resumed = make_trainer()  # the same run directory: it starts from the checkpoint
+    assert resumed.state == saved_state and resumed.trained_ids == {"e0-i0", "e0-i1", "e0-i2", "e0-i3"}
+    assert_same_optimizer_state(optimizer_state(resumed), saved_optimizer)
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+    take_step(trainer, batches[2])
+    take_step(resumed, batches[2])
+    assert resumed.state.cursor == trainer.state.cursor == 6 and resumed.state.version == 3
+    assert_same_optimizer_state(optimizer_state(resumed), optimizer_state(trainer))
+    for (name, p), q, base in zip(trainer.model.named_parameters(), resumed.model.parameters(),
+                                  AutoModelForCausalLM.from_pretrained(str(policy_dir)).parameters()):
+        assert torch.equal(p, q), name
+        assert not torch.equal(p, base), name  # three steps moved every parameter
