@@ -61,14 +61,6 @@ def run_dir_name(name: str, seed: int) -> str:
     return f"{slug(name)}_seed{seed}"
 
 
-def kept_run_dir(root: Path, name: str, seed: int, num_seeds: int) -> Path:
-    """A kept run's directory; runs kept before there were seeds have no suffix (one seed only)."""
-    path = root / run_dir_name(name, seed)
-    if not path.exists() and num_seeds == 1 and (root / slug(name)).exists():
-        return root / slug(name)
-    return path
-
-
 def read_run(name: str, seed: int, run_dir: Path) -> dict:
     """One run's row. Its clock starts when step 1 starts: what comes before (engine start-up, the
     first evaluation, which on a fresh GPU host includes compiling kernels) is not training speed."""
@@ -149,7 +141,8 @@ def print_variants(variants: list[dict]) -> None:
           f"{'samples/s':>20}")
     for v in variants:
         print(f"{v['name']:<11} {Spread(**v['accuracy_end']).text('.1f', 100):>20} "
-              f"{Spread(**v['accuracy_max']).text('.1f', 100):>20} {Spread(**v['seconds_to_target']).text('.0f'):>22} "
+              f"{Spread(**v['accuracy_max']).text('.1f', 100):>20} "
+              f"{Spread(**v['seconds_to_target']).text('.0f'):>22} "
               f"{Spread(**v['samples_per_s']).text('.0f'):>20}")
 
 
@@ -208,7 +201,7 @@ def main(argv: list[str]) -> int:
     variants = [("sync", overrides)] + [
         (f"async S={s}", overrides + ["--run.mode=async", f"--run.max_staleness={s}"]) for s in staleness]
     if from_runs is not None:
-        rows = [read_run(name, seed, kept_run_dir(from_runs, name, seed, len(seeds)))
+        rows = [read_run(name, seed, from_runs / run_dir_name(name, seed))
                 for seed in seeds for name, _ in variants]
     else:
         with tempfile.TemporaryDirectory() as tmp:

@@ -62,7 +62,6 @@ class KVBatch:
               for k, v in self.kv]
         return KVBatch(kv, mask[:, num_trim:], num_cached)
 
-
     def realigned(self) -> "KVBatch":
         """Back to a multiple of ALIGN columns after a decode step added one: drop the leftmost
         columns if every row has that much padding, else pad up to the next multiple."""

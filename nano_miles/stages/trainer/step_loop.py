@@ -77,6 +77,7 @@ class Trainer:
             liveness.beat()
             started = time.perf_counter()
             groups, wait_s = self.pull_batch()
+            self.record.write_rollouts(self.step, groups)
             stats = self.optimize(groups)
             self.peers.request("commit", step=self.step, group_ids=self.state.trained_by_step[self.step],
                                dropped_group_ids=self.take_dropped())
@@ -157,7 +158,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages of a step
     def pull_batch(self) -> tuple[list[ScoredGroup], float]:
-        """Pull until `batch_groups` fresh groups; drop (and count) stale, future or duplicate ones."""
+        """Pull until `batch_groups` fresh groups, in dataset order; drop (and count) stale, future or
+        duplicate ones."""
         started = last_check = time.perf_counter()
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
@@ -205,13 +207,12 @@ class Trainer:
                 self.metrics.staleness.observe(staleness)
                 batch.append(scored)
                 batch_ids.add(group.group_id)
+        # dataset order, not arrival order: the same groups make the same float sums, so two runs
+        # with one seed take the same step
+        batch.sort(key=lambda sg: position_of(sg.group.group_id, self.num_items))
         return batch, time.perf_counter() - started
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
-        # dataset order, not arrival order: the same groups make the same float sums, so two runs
-        # with one seed take the same step
-        groups = sorted(groups, key=lambda sg: position_of(sg.group.group_id, self.num_items))
-        self.record.write_rollouts(self.step, groups)
         prompts, responses, logprobs, advantages = [], [], [], []
         for sg in groups:
             for sample, adv in zip(sg.group.samples, sg.advantages):
