@@ -65,13 +65,22 @@ def test_bad_overrides_are_named(override, match):
     ("--trainer.control_retries=0", r"trainer.control_retries must be >= 1"),
     ("--reward.fn=reward", r"reward.fn must be package.module:function"),
     ("--task.name=nope-task", r"task.name must be a dotted module name"),
-    ("--task.num_test=0", r"task.num_test must be >= 1"),
+    ("--task.num_test=-1", r"task.num_test must be >= 0"),
     ("--metrics.queue_sample_s=-1", r"metrics.queue_sample_s must be >= 0"),
+    ("--reward.fns=[\"a:b\", 3]", r"reward.fns must be a list of \"package.module:function\" strings"),
+    ("--reward.weights=[1, true]", r"reward.weights must be a list of finite numbers"),
+    ("--trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
     ("--run.dir=", r"run.dir must be a non-empty string"),
 ])
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
+
+
+def test_one_weight_per_reward_function():
+    with pytest.raises(ConfigError, match=r"reward.weights has 2 numbers for 1 reward.fns"):
+        load_config(overrides=['--reward.fns=["a:b"]', "--reward.weights=[1, 2]"])
+    assert load_config(overrides=['--reward.fns=["a:b", "c.d"]', "--reward.weights=[1, 0.5]"]).reward.weights == [1, 0.5]
 
 
 @pytest.mark.parametrize("overrides", [

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nano_miles.algo.grpo import assemble_batch, group_advantages, token_logprobs
 from nano_miles.algo.loss import LossConfig, ppo_loss
 from nano_miles.engine.client import EngineClient, parse_output
-from nano_miles.tasks import encode_prompts, make_decoder
+from nano_miles.run.config import TaskConfig
+from nano_miles.tasks.prompts import encode_prompts, make_decoder
 from nano_miles.tasks.arithmetic import make_problems, reward
 from nano_miles.weights.tensor_sender import push_weights
 
@@ -26,7 +27,7 @@ def policy(policy_dir):
 def rollout_batch(engine: EngineClient, tokenizer, num_prompts: int, seed: int = 0):
     """Generate G samples for each of a few train prompts, score them, whiten per group."""
     problems = make_problems("train", num_prompts, seed=seed)
-    prompts = encode_prompts(tokenizer, problems)
+    prompts = encode_prompts(tokenizer, problems, TaskConfig())
     decode = make_decoder(tokenizer)
     rows, rewards = [], []
     for problem, prompt in zip(problems, prompts):
@@ -76,7 +77,7 @@ def test_trainer_logprobs_match_the_engine_sampling_with_temperature_top_k_and_t
     engine = EngineClient(engine_url)
     push_weights(engine, model, 0)
     temperature, top_k, top_p = 0.7, 4, 0.9  # a small k: top 20 holds > 99.9 % of this peaked policy
-    prompts = encode_prompts(tokenizer, make_problems("train", 4, seed=2))
+    prompts = encode_prompts(tokenizer, make_problems("train", 4, seed=2), TaskConfig())
     requests = [p for p in prompts for _ in range(4)]
     params = [{"max_new_tokens": 24, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                "ignore_eos": True, "sampling_seed": 100 + i} for i in range(len(requests))]

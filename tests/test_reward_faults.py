@@ -12,7 +12,7 @@ import zmq
 
 from nano_miles.run.config import load_config
 from nano_miles.stages.reward.scorer import RewardStage
-from nano_miles.stages.reward.worker import RewardFailure, RewardWorker
+from nano_miles.rewards.worker import RewardFailure, RewardWorker
 from nano_miles.wire.codec import make_group_id
 from nano_miles.wire.data import RolloutGroup, Sample, decode_scored, encode_rollout
 

@@ -7,8 +7,9 @@ import re
 import pytest
 
 from nano_miles.run.cli import UserError
-from nano_miles.run.config import TaskConfig
-from nano_miles.tasks import load_problems, load_reward_fn
+from nano_miles.rewards import load_reward_fn
+from nano_miles.run.config import Config, TaskConfig
+from nano_miles.tasks import load_problems
 from nano_miles.tasks.arithmetic import (Expression, Problem, extract_answer, make_expressions, make_problems,
                                          render_prompt, reward, split_of)
 
@@ -140,10 +141,12 @@ def test_load_reward_fn_bad_path_names_it(dotted):
 
 
 def test_load_problems_checks_the_task_against_the_config():
-    assert load_problems(TaskConfig(num_test=5, seed=1), "test") == make_problems("test", 5, seed=1)
-    with pytest.raises(UserError, match=r"task.num_train must be at most [0-9]+ .*, not 999999"):
-        load_problems(TaskConfig(num_train=999999), "train")
+    assert load_problems(Config(task=TaskConfig(num_test=5, seed=1)), "test") == make_problems("test", 5, seed=1)
+    everything = load_problems(Config(task=TaskConfig(num_train=0, seed=1)), "train")
+    assert everything[:7] == make_problems("train", 7, seed=1) and len(everything) > 20000  # 0 = all
+    with pytest.raises(UserError, match=r"task.num_train must be at most [0-9]+ .*, not 999999; 0 takes them all"):
+        load_problems(Config(task=TaskConfig(num_train=999999)), "train")
     with pytest.raises(UserError, match="task.name 'nope.task': cannot import"):
-        load_problems(TaskConfig(name="nope.task"), "train")
-    with pytest.raises(UserError, match="task.name 'nano_miles.tasks': .* lacks make_problems, num_problems"):
-        load_problems(TaskConfig(name="nano_miles.tasks"), "train")
+        load_problems(Config(task=TaskConfig(name="nope.task")), "train")
+    with pytest.raises(UserError, match=r"task.name 'nano_miles.tasks': a task module provides load_split"):
+        load_problems(Config(task=TaskConfig(name="nano_miles.tasks")), "train")

@@ -16,6 +16,8 @@ ENTRY_POINTS = {
     "top": "nano_miles.observe.top", "status": "nano_miles.observe.status",
     "report": "nano_miles.observe.report", "config": "nano_miles.run.config", "keys": "nano_miles.run.keys",
     "run_end": "nano_miles.run.run_end", "policy": "nano_miles.policy", "fsdp_step": "harness.fsdp_step",
+    "samples": "nano_miles.observe.samples", "export": "nano_miles.export",
+    "word_problems": "nano_miles.tasks.word_problems",
 }
 READS_CONFIG = ("rollout", "reward", "trainer", "engine", "top", "status", "config")
 TIMEOUT_S = 30  # each case fails before anything heavy is imported: well under a second
@@ -48,7 +50,14 @@ def test_help_explains_and_does_nothing_else(tmp_path, name):
 
 # (entry point, arguments, what the one line must name)
 MISTAKES = [
-    *[(name, ["--bogus"], "--bogus") for name in ENTRY_POINTS if name not in ("policy", "keys", "fsdp_step")],
+    *[(name, ["--bogus"], "--bogus") for name in ENTRY_POINTS
+      if name not in ("policy", "keys", "fsdp_step", "export", "word_problems")],
+    ("export", ["run", "out", "--bogus"], "--bogus"),
+    ("export", ["nowhere", "out"], "nowhere"),
+    ("export", ["."], "out"),
+    ("samples", ["nowhere"], "nowhere"),
+    ("word_problems", [], "--out"),
+    ("word_problems", ["--out", "data", "--num-test", "99999"], "99999"),
     ("policy", ["build", "--out", "policy", "--bogus"], "--bogus"),
     ("keys", ["keys", "--bogus"], "--bogus"),
     ("fsdp_step", ["out.pt", "--bogus"], "--bogus"),
@@ -80,6 +89,10 @@ MISTAKES = [
     ("rollout", ["--task.num_train=999999"], "task.num_train"),
     ("trainer", ["--task.num_test=999999"], "task.num_test"),
     ("reward", ["--security.curve_dir=nowhere"], "security.curve_dir"),
+    ("trainer", ["--trainer.resume_from=nowhere"], "trainer.resume_from"),
+    ("reward", ["--reward.fns=[\"nope.mod:fn\"]"], "reward.fns[0]"),
+    ("rollout", ["--task.name=nano_miles.tasks.files"], "task.train_file"),
+    ("trainer", ["--task.name=nano_miles.tasks.files", "--task.train_file=nowhere.jsonl"], "nowhere.jsonl"),
 ]
 
 

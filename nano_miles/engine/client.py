@@ -6,6 +6,7 @@ server's message. Logprob entries are indexed (e[0], e[1]), never unpacked: SGLa
 [logprob, token_id, text] while some mocks send pairs.
 """
 
+import hashlib
 import http.client
 import json
 import logging
@@ -38,6 +39,17 @@ def _error_message(raw: bytes) -> str:
             if key in body:
                 return str(body[key])
     return text.strip()
+
+
+def sampling_seed(*identity) -> int:
+    """The seed of one generation request: a pure function of what the request is, never of timing.
+
+    The producer names a sample by (run seed, group id, attempt, sample, segment), so two runs with
+    one `run.seed` draw the same tokens for the same group on the same weights, whichever requests
+    share the engine's batch, while a re-issued group and each resumed segment draw afresh.
+    63 bits: SGLang and torch take int64."""
+    key = ":".join(str(part) for part in identity).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def parse_output(meta_info: dict, output_ids: list[int]) -> tuple[list[int], list[float], str, str]:

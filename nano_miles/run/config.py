@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
-from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, HOST, MODULE, NON_EMPTY,
-                                  OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K, URL_OR_EMPTY, URLS, above,
-                                  at_least, checked, one_of)
+from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
+                                  NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
+                                  URL_OR_EMPTY, URLS, above, at_least, checked, one_of)
 from nano_miles.wire.control import PAUSE_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -121,9 +121,16 @@ class EngineConfig(Section):
 @dataclass
 class TaskConfig(Section):
     name: str = checked("nano_miles.tasks.arithmetic", MODULE)  # imported, and its size checked, at stage start
-    num_train: int = checked(20000, at_least(1))
-    num_test: int = checked(200, at_least(1))
-    seed: int = checked(0, at_least(0))
+                                                      # (nano_miles.tasks.files: a user's data file)
+    num_train: int = checked(0, at_least(0))          # the first N train problems; 0 = all
+    num_test: int = checked(200, at_least(0))         # held-out problems evaluated; 0 = all
+    seed: int = checked(0, at_least(0))               # arithmetic: which problems (files: run.seed shuffles)
+    train_file: str = checked("", ANY_TEXT)           # files: .jsonl, .json, .parquet or a datasets directory
+    test_file: str = checked("", ANY_TEXT)            # files: held-out data; "" = a fixed slice of train_file
+    prompt_key: str = checked("prompt", NON_EMPTY)    # files: the prompt's key (dotted for nested records)
+    label_key: str = checked("label", NON_EMPTY)      # files: the label's key, handed to the reward function
+    chat_template: bool = checked(False, BOOL)        # render prompts with the tokenizer's chat template
+    system_prompt: str = checked("", ANY_TEXT)        # with chat_template: a system turn before every prompt
 
 
 @dataclass
@@ -142,9 +149,17 @@ class RolloutConfig(Section):
 @dataclass
 class RewardConfig(Section):
     fn: str = checked("nano_miles.tasks.arithmetic:reward", FUNCTION)  # imported at stage start
+    fns: list = checked([], FUNCTIONS)                # several functions, summed with `weights`; [] = `fn` alone
+    weights: list = checked([], NUMBERS)              # one per function of `fns`; [] = all 1.0
     endpoint: str = checked("tcp://127.0.0.1:5702", ENDPOINT)  # PULL, bound by the reward stage
     timeout_s: float = checked(5.0, above(0))         # per-sample budget of the reward function
     metrics_port: int = checked(9102, PORT_OR_FREE)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.weights and len(self.weights) != len(self.fns):
+            raise ConfigError(f"reward.weights has {len(self.weights)} numbers for {len(self.fns)} reward.fns: "
+                              "give one weight per function, or none")
 
 
 @dataclass
@@ -163,7 +178,10 @@ class TrainerConfig(Section):
     device: str = checked("cpu", DEVICE)
     num_threads: int = checked(1, at_least(1))
     eval_every: int = checked(20, at_least(0))        # held-out greedy evaluation every N steps (0 = only at the end)
+    eval_samples: int = checked(1, at_least(1))       # > 1: also pass@k with k samples at the rollout temperature
     checkpoint_every: int = checked(20, at_least(0))  # 0 = only at the end
+    resume_from: str = checked("", ANY_TEXT)          # a checkpoint (or run directory) to continue from when
+                                                      # the run directory has none of its own; "" = fresh start
     control_timeout_s: float = checked(5.0, above(0))  # Lazy Pirate: per-try timeout on the control channel
     control_retries: int = checked(6, at_least(1))
     metrics_port: int = checked(9103, PORT_OR_FREE)
@@ -176,6 +194,7 @@ class MetricsConfig(Section):
     plots: bool = checked(True, BOOL)                 # PNG plots into the run dir at the end
     queue_sample_s: float = checked(1.0, at_least(0))  # queue depths into queues.jsonl this often; 0 = never
     save_rollouts: bool = checked(False, BOOL)        # every trained group (ids, rewards) into rollouts.jsonl
+    samples_per_step: int = checked(4, at_least(0))   # whole samples (text, reward parts) per step into samples.jsonl
 
 
 @dataclass
@@ -328,6 +347,9 @@ def check_paths(cfg: Config) -> None:
     if not (cfg.model_dir / "config.json").is_file():
         raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
                           "(no config.json there)")
+    if cfg.trainer.resume_from and not Path(cfg.trainer.resume_from).is_dir():
+        raise ConfigError(f"trainer.resume_from {cfg.trainer.resume_from!r} is not a directory "
+                          "(a checkpoint, or a run directory with checkpoints/)")
     if cfg.security.curve_dir and not (Path(cfg.security.curve_dir) / "allowed").is_dir():
         raise ConfigError(f"security.curve_dir {cfg.security.curve_dir!r} holds no CURVE keys "
                           "(python -m nano_miles.run.keys DIR makes them)")

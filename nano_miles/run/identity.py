@@ -32,7 +32,12 @@ def ensure_run_identity(run_dir: Path) -> tuple[str, float]:
     found = read_run_identity(run_dir)
     if found is not None:
         return found
-    run_id, started_at = uuid.uuid4().hex[:12], time.time()
+    return write_run_identity(run_dir, uuid.uuid4().hex[:12], time.time())
+
+
+def write_run_identity(run_dir: Path, run_id: str, started_at: float) -> tuple[str, float]:
+    """Record (atomically) that `run_dir` holds the run `run_id`: a new one, or one continued from
+    another directory's checkpoint (`trainer.resume_from`)."""
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps({"run_id": run_id, "started_at": started_at}) + "\n")
     os.replace(tmp, run_dir / RUN_FILE)

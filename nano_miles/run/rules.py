@@ -68,6 +68,11 @@ URLS = Rule('a list of "http://host:port" strings',
             lambda v: isinstance(v, list) and all(isinstance(u, str) and re.fullmatch(URL, u) for u in v))
 URL_OR_EMPTY = matching(f"|{URL}", '"" or http://host:port')
 MODULE = matching(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "a dotted module name, e.g. nano_miles.tasks.arithmetic")
-FUNCTION = matching(r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*", "package.module:function")
+FUNCTION_RE = r"[A-Za-z_][\w.]*[:.][A-Za-z_]\w*"
+FUNCTION = matching(FUNCTION_RE, "package.module:function")
+FUNCTIONS = Rule('a list of "package.module:function" strings',
+                 lambda v: isinstance(v, list) and all(isinstance(f, str) and re.fullmatch(FUNCTION_RE, f) for f in v))
+NUMBERS = Rule("a list of finite numbers", lambda v: isinstance(v, list) and all(
+    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
 SHELL_WORDS = Rule("shell words with balanced quotes", _is_shell_words)
 TOP_K = Rule("-1 (off) or >= 1", lambda v: v == -1 or v >= 1)

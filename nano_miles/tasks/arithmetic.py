@@ -1,5 +1,6 @@
 """Two-step integer arithmetic: problems, the prompt, the worked response and the reward.
-Used as a library: `make_problems("train", 1000)`; the reward plug-in is `nano_miles.tasks.arithmetic:reward`.
+Used as a library: `make_problems("train", 1000)`; the task is `task.name = "nano_miles.tasks.arithmetic"`,
+its reward plug-in `nano_miles.tasks.arithmetic:reward`.
 
 A problem is one binary operation inside parentheses combined with one more number, e.g.
 `(7 * 4) + 12` or `10 - (12 * 6)`, operands 1..MAX_OPERAND. The policy is taught to answer so:
@@ -16,6 +17,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from nano_miles.tasks import Problem
+
 SPLITS = ("train", "test")
 OPS = ("+", "-", "*")
 MAX_OPERAND = 12  # 20 made the small policy's warm-up about twice as long for the same accuracy
@@ -25,12 +28,6 @@ TEST_ONE_IN = 10
 PROMPT_TEMPLATE = "What is {expression}? Put the answer in <answer></answer>.\n"
 OPEN_TAG, CLOSE_TAG = "<answer>", "</answer>"
 INTEGER_RE = re.compile(r"-?[0-9]+")  # ASCII digits only: \d would also accept other scripts' digits
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str  # the integer result as a decimal string, e.g. "-12"
 
 
 def apply_op(a: int, op: str, b: int) -> int:
@@ -120,7 +117,13 @@ def make_expressions(split: str, num: int, seed: int = 0) -> list[Expression]:
 
 
 def make_problems(split: str, num: int, seed: int = 0) -> list[Problem]:
+    """`num` problems of `split`; the answer is the integer result as a decimal string, e.g. "-12"."""
     return [Problem(render_prompt(e.text()), str(e.value())) for e in make_expressions(split, num, seed)]
+
+
+def load_split(cfg, split: str) -> list[Problem]:
+    """The task contract: every problem of `split` in the order `task.seed` shuffles them."""
+    return make_problems(split, num_problems(split), cfg.task.seed)
 
 
 def extract_answer(text: str) -> str | None:

@@ -9,8 +9,9 @@ from nano_miles.run.cli import ArgumentParser, run
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.reward", description=__doc__))
-    from nano_miles.tasks import load_reward_fn, load_tokenizer, make_decoder
-    reward_fn = load_reward_fn(cfg.reward.fn)  # one that does not import: one line, before anything starts
+    from nano_miles.rewards import load_reward
+    from nano_miles.tasks.prompts import load_tokenizer, make_decoder
+    reward_fn = load_reward(cfg.reward)  # one that does not import: one line, before anything starts
     import zmq
 
     from nano_miles.run.process import setup_process

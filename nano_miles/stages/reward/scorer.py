@@ -24,27 +24,22 @@ from nano_miles.algo.grpo import group_advantages
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.stages.reward.worker import REASONS, RewardFailure, RewardWorker
+from nano_miles.rewards.worker import REASONS, RewardFailure, RewardWorker, score
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 from nano_miles.wire.sockets import make_socket
 
 log = logging.getLogger("reward")
 
 
-def score_group(group: RolloutGroup, reward_fn, decode, on_failure=None) -> ScoredGroup:
+def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None) -> ScoredGroup:
     """Run the reward function on each decoded response; whiten rewards inside the group.
 
-    A RewardFailure scores that sample 0 in the reward and every part; `on_failure(index, failure)`
+    A sample that cannot be scored gets 0 in the reward and every part; `on_failure(index, failure)`
     is told about it."""
     label = str(group.metadata.get("label", ""))
-    outs: list[dict[str, float]] = []
-    for index, sample in enumerate(group.samples):
-        try:
-            outs.append(reward_fn(decode(sample.response_tokens), label))
-        except RewardFailure as failure:
-            outs.append({"reward": 0.0})
-            if on_failure is not None:
-                on_failure(index, failure)
+    outs = [score(worker, decode(sample.response_tokens), label,
+                  None if on_failure is None else lambda failure, i=index: on_failure(i, failure))
+            for index, sample in enumerate(group.samples)]
     part_names = sorted({k for out in outs for k in out if k != "reward"})
     rewards_arr = np.asarray([out["reward"] for out in outs], np.float32)
     advantages = group_advantages(torch.from_numpy(rewards_arr)[None, :])[0].numpy()

@@ -9,16 +9,19 @@ from nano_miles.run.cli import ArgumentParser, run
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.rollout", description=__doc__))
-    from nano_miles.tasks import encode_prompts, load_problems, load_tokenizer
-    problems = load_problems(cfg.task, "train")  # a task that cannot serve the config: one line, now
+    from nano_miles.tasks import load_problems
+    from nano_miles.tasks.prompts import encode_prompts, load_tokenizer, stop_token_ids
+    problems = load_problems(cfg, "train")  # a task that cannot serve the config: one line, now
     import zmq
 
     from nano_miles.run.process import setup_process
     from nano_miles.stages.rollout.producer import RolloutProducer
 
+    tokenizer = load_tokenizer(cfg.model_dir)
+    prompts = encode_prompts(tokenizer, problems, cfg.task)
+    stops = stop_token_ids(cfg.model_dir, tokenizer, chat_template=cfg.task.chat_template)
     setup_process("rollout", cfg)
-    prompts = encode_prompts(load_tokenizer(cfg.model_dir), problems)
-    RolloutProducer(cfg, zmq.Context.instance(), problems, prompts).run()
+    RolloutProducer(cfg, zmq.Context.instance(), problems, prompts, stops).run()
     return 0
 
 

@@ -16,7 +16,6 @@ step k starts only after weights k - 1 are in the engine.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from nano_miles.engine.client import EngineError, parse_output, token_versions
+from nano_miles.engine.client import EngineError, parse_output, sampling_seed, token_versions
 from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import RolloutMetrics
 from nano_miles.run import liveness
@@ -64,26 +63,18 @@ class ProducerState:
     inflight: dict[str, Future] = field(default_factory=dict)
 
 
-def sampling_seed(run_seed: int, group_id: str, attempt: int, sample: int, segment: int) -> int:
-    """The seed of one generation request: a pure function of what the request is, never of timing.
-
-    Two runs with the same `run.seed` therefore draw the same tokens for the same group on the same
-    weights, whichever requests share the engine's batch. A re-issued group (`attempt`) and each
-    resumed segment of an aborted sample get fresh draws. 63 bits: SGLang and torch take int64."""
-    key = f"{run_seed}:{group_id}:{attempt}:{sample}:{segment}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
 def version_allows(budget_used: int, version: int, batch_groups: int, max_staleness: int) -> bool:
     """May one more group start while the engine serves `version`? (see module doc)"""
     return version >= 0 and budget_used < (version + 1 + max_staleness) * batch_groups
 
 
 class RolloutProducer:
-    def __init__(self, cfg: Config, ctx: zmq.Context, problems, prompt_ids: list[list[int]]):
+    def __init__(self, cfg: Config, ctx: zmq.Context, problems, prompt_ids: list[list[int]],
+                 stop_token_ids: list[int]):
         self.cfg = cfg
         self.problems = problems
         self.prompt_ids = prompt_ids
+        self.stop_token_ids = stop_token_ids  # the model's EOS ids and its template's end of turn
         self.state = ProducerState()
         self.ledger = Ledger(len(problems), cfg.rollout.lease_s)
         self.engine = make_engine(cfg.engine)  # generation through the router when there is one
@@ -171,8 +162,9 @@ class RolloutProducer:
         finish = [""] * r.group_size
         pending = list(range(r.group_size))
         for segment in range(MAX_SEGMENTS_PER_SAMPLE):
+            # a sample's draws are a function of what it is (run seed, group, attempt, sample, segment)
             params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
-                       "top_p": r.top_p, "top_k": r.top_k,
+                       "top_p": r.top_p, "top_k": r.top_k, "stop_token_ids": self.stop_token_ids,
                        "sampling_seed": sampling_seed(self.cfg.run.seed, group_id, attempt, i, segment)}
                       for i in pending]
             outputs = self.generate_with_retry([prompt + tokens[i] for i in pending], params)

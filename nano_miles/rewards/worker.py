@@ -1,5 +1,6 @@
 """The reward function run in a child process, with a per-call timeout, so that a raise or a hang
-costs one sample, never the reward stage. Library module; `tests/test_reward_faults.py` drives it.
+costs one sample, never the stage calling it (the reward stage scores with it, the trainer's
+held-out evaluation too). Library module; `tests/test_reward_faults.py` drives it.
 
 A hanging Python function cannot be stopped from another thread, but a process can be killed: the
 worker is forked once and reused (the fast path is one Pipe round trip per sample); on a timeout it
@@ -109,3 +110,14 @@ class RewardWorker:
                 os.kill(self.proc.pid, signal.SIGKILL)  # a hung function ignores anything gentler
             self.proc.join(timeout=5.0)
             self.proc = None
+
+
+def score(worker: RewardWorker, response: str, label: str, on_failure=None) -> dict[str, float]:
+    """The reward and its parts of one sample; a sample that cannot be scored gets reward 0 (and no
+    parts), and `on_failure(failure)` is told why."""
+    try:
+        return worker(response, label)
+    except RewardFailure as failure:
+        if on_failure is not None:
+            on_failure(failure)
+        return {"reward": 0.0}

@@ -1,0 +1,142 @@
+"""A user's data file as the task: JSONL, JSON, Parquet and datasets directories, dotted keys, chat
+messages, the seeded order and the held-out slice; a bad file stops the stage with one line naming
+the file, the line and the key. Also the prompt path: chat template, end-of-turn and stop ids.
+Run: pytest tests/test_files_task.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.servers import REPO_ROOT
+from nano_miles.run.cli import UserError
+from nano_miles.run.config import Config, RunConfig, TaskConfig
+from nano_miles.tasks import Problem, load_problems
+from nano_miles.tasks.files import read_problems
+from nano_miles.tasks.prompts import encode_prompts, end_of_turn_id, load_tokenizer, prompt_text, stop_token_ids
+from nano_miles.tasks.word_problems import make_records, write_jsonl
+
+FILES = "nano_miles.tasks.files"
+
+
+def files_config(train, seed=0, **task) -> Config:
+    return Config(run=RunConfig(seed=seed), task=TaskConfig(name=FILES, train_file=str(train), **task))
+
+
+@pytest.fixture
+def gsm8k_style(tmp_path):
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, make_records("train", 120))
+    return path
+
+
+def test_jsonl_records_become_problems_in_a_seeded_order(gsm8k_style):
+    cfg = files_config(gsm8k_style, prompt_key="question", label_key="answer", num_test=20)
+    train, test = load_problems(cfg, "train"), load_problems(cfg, "test")
+    records = {r["question"]: r["answer"] for r in map(json.loads, gsm8k_style.read_text().splitlines())}
+    assert len(train) == 100 and len(test) == 20 and not {p.prompt for p in train} & {p.prompt for p in test}
+    assert all(records[p.prompt] == p.answer for p in train + test)
+    assert load_problems(cfg, "train") == train  # the same order in every process
+    reseeded = load_problems(files_config(gsm8k_style, seed=1, prompt_key="question", label_key="answer",
+                                          num_test=20), "train")
+    assert reseeded != train and sorted(map(str, reseeded)) == sorted(map(str, train))
+    assert load_problems(files_config(gsm8k_style, seed=1, prompt_key="question", label_key="answer",
+                                      num_test=20), "test") == test  # the held-out slice ignores the seed
+
+
+def test_the_held_out_slice_does_not_move_with_the_file_order(gsm8k_style, tmp_path):
+    lines = gsm8k_style.read_text().splitlines()
+    reversed_path = tmp_path / "reversed.jsonl"
+    reversed_path.write_text("\n".join(reversed(lines)) + "\n")
+    held_out = [{p.prompt for p in load_problems(files_config(path, prompt_key="question", label_key="answer",
+                                                               num_test=15), "test")}
+                for path in (gsm8k_style, reversed_path)]
+    assert held_out[0] == held_out[1] and len(held_out[0]) == 15
+
+
+def test_a_test_file_dotted_keys_and_chat_messages(tmp_path):
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.json"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    write_jsonl(train, [{"prompt": messages, "reward_model": {"ground_truth": 4}},
+                        {"prompt": "3+3?", "reward_model": {"ground_truth": "6"}}])
+    test.write_text(json.dumps([{"prompt": "1+1?", "reward_model": {"ground_truth": 2}}]))
+    cfg = files_config(train, test_file=str(test), label_key="reward_model.ground_truth", num_test=0)
+    assert sorted(load_problems(cfg, "train"), key=str) == sorted(
+        [Problem(tuple(messages), "4"), Problem("3+3?", "6")], key=str)
+    assert load_problems(cfg, "test") == [Problem("1+1?", "2")]
+
+
+@pytest.mark.parametrize("content, key, message", [
+    (None, "prompt", r"{path}: no such file \(task.train_file\)"),
+    ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n', "prompt", r"{path}:2: no key 'label' \(task.label_key\); the record has 'prompt'"),
+    ('{"prompt": "a", "label": "1"}\n\n{"prompt": "  ", "label": "2"}\n', "prompt", r"{path}:3: empty prompt under 'prompt'"),
+    ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": \n', "prompt", r"{path}:2: not valid JSON"),
+    ('{"q": "a", "label": "1"}\n', "question", r"{path}:1: no key 'question' \(task.prompt_key\)"),
+    ('["a", "b"]\n', "prompt", r"{path}:1: a record must be a JSON object"),
+    ('{"prompt": 7, "label": "1"}\n', "prompt", r"{path}:1: 'prompt' must be text or a list of chat messages"),
+    ("\n\n", "prompt", r"{path}: no records"),
+])
+def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key, message):
+    path = tmp_path / "data.jsonl"
+    if content is not None:
+        path.write_text(content)
+    pattern = message.format(path=path)
+    with pytest.raises(UserError, match=pattern):
+        read_problems(str(path), (key, "label"), "train")
+    # the stage that reads it stops at its start: one line, exit 2, no traceback
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
+    result = subprocess.run([sys.executable, "-m", "nano_miles.stages.rollout", f"--run.dir={tmp_path}/run",
+                             f"--task.name={FILES}", f"--task.train_file={path}", f"--task.prompt_key={key}",
+                             "--task.num_test=0"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollout: "), result.stderr
+
+
+def test_holding_out_more_than_the_file_is_refused(gsm8k_style):
+    with pytest.raises(UserError, match=r"holds 120 records: holding out task.num_test = 200"):
+        load_problems(files_config(gsm8k_style, prompt_key="question", label_key="answer"), "train")
+
+
+def test_parquet_and_datasets_directories(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the optional extra 'data' (pip install datasets)")
+    records = make_records("train", 30)
+    data = datasets.Dataset.from_list(records)
+    data.to_parquet(str(tmp_path / "train.parquet"))
+    datasets.DatasetDict({"train": data, "test": data.select(range(5))}).save_to_disk(str(tmp_path / "dict"))
+    keys = ("question", "answer")
+    want = [Problem(r["question"], r["answer"]) for r in records]
+    assert read_problems(str(tmp_path / "train.parquet"), keys, "train") == want
+    assert read_problems(str(tmp_path / "dict"), keys, "train") == want
+    assert read_problems(str(tmp_path / "dict"), keys, "test") == want[:5]
+    with pytest.raises(UserError, match=r"dict:1: no key 'nope' \(task.label_key\)"):
+        read_problems(str(tmp_path / "dict"), ("question", "nope"), "train")
+    records[2]["answer"] = None  # a column holds a value for every row, but it may be null
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "nulls.parquet"))
+    with pytest.raises(UserError, match=r"nulls.parquet:3: 'answer' is null"):
+        read_problems(str(tmp_path / "nulls.parquet"), keys, "train")
+
+
+def test_chat_template_prompts_and_stop_ids(policy_dir):
+    tokenizer = load_tokenizer(policy_dir)
+    text = prompt_text(tokenizer, "What is 2?", chat_template=True, system_prompt="Be brief.")
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_text(tokenizer, "What is 2?", chat_template=False) == "What is 2?"
+    ids = encode_prompts(tokenizer, [Problem("What is 2?", "2")], TaskConfig(chat_template=True))[0]
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and ids.count(tokenizer.eos_token_id) == 0
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_id(tokenizer) == im_end
+    assert stop_token_ids(policy_dir, tokenizer, chat_template=True) == sorted({tokenizer.eos_token_id, im_end})
+    with pytest.raises(UserError, match="needs task.chat_template=true"):
+        prompt_text(tokenizer, ({"role": "user", "content": "hi"},), chat_template=False)
+
+
+def test_the_example_data_is_what_its_generator_writes():
+    """examples/word_problems/ is the project's own data, reproducible from its script."""
+    for split, num in (("train", 2000), ("test", 200)):
+        lines = (REPO_ROOT / "examples" / "word_problems" / f"{split}.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == make_records(split, num)

@@ -1,0 +1,106 @@
+"""The verifiable math reward on a table of responses and labels, several reward functions with weights,
+and a reward function with only a "reward" key carried through scoring, the step record and the summary.
+Run: pytest tests/test_rewards.py
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nano_miles.observe.run_record import StepStats, format_step_line, summarize
+from nano_miles.rewards import load_reward
+from nano_miles.rewards.math import extract_answer, reward
+from nano_miles.rewards.worker import RewardWorker
+from nano_miles.run.config import RewardConfig
+from nano_miles.stages.reward.scorer import score_group
+from nano_miles.wire.data import RolloutGroup, Sample
+
+GSM8K_LABEL = "Sam has 7*4=28 marbles. Then 28+12=40.\n#### 40"
+
+
+@pytest.mark.parametrize("response, label, accuracy, is_marked", [
+    ("so the answer is \\boxed{40}.", "40", 1, True),                       # boxed
+    ("\\boxed{41} no wait \\boxed{40}", "40", 1, True),                      # the last box counts
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1, True),                               # fraction = decimal
+    ("\\boxed{0.50}", "1/2", 1, True),
+    ("$\\boxed{\\dfrac{3}{4}}$", "\\frac{3}{4}", 1, True),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1, True),                           # symbolic equality
+    ("\\boxed{{40}}", "40", 1, True),                                        # nested braces
+    ("7*4=28, 28+12=40 <answer>40</answer>", "40", 1, True),                 # tagged
+    ("<answer> -12 </answer>", "-12", 1, True),                              # negative numbers
+    ("7*4=28, 28+12=40\n#### 40", GSM8K_LABEL, 1, True),                     # GSM8K style, both sides
+    ("#### 1,234", "1234", 1, True),                                         # thousands commas
+    ("I think it is 40.", GSM8K_LABEL, 1, False),                            # last number, unmarked
+    ("first 3, then -7", "-7", 1, False),
+    ("\\boxed{39}", GSM8K_LABEL, 0, True),                                   # wrong
+    ("\\boxed{40} but <answer>39</answer>", "39", 0, True),                  # boxed wins over the tag
+    ("no answer here", "40", 0, False),                                      # nothing to extract
+    ("<answer></answer>", "40", 0, False),
+    ("\x00\x01 }{ \\boxed{ ]][[ %%", "40", 0, False),                        # garbage
+    ("\\boxed{40", "40", 1, False),                                          # unclosed box: last number
+])
+def test_math_reward_table(response, label, accuracy, is_marked):
+    out = reward(response, label)
+    assert out == {"reward": float(accuracy), "accuracy": float(accuracy), "format": float(is_marked)}
+
+
+def test_math_reward_preference_order():
+    assert extract_answer("\\boxed{1} <answer>2</answer>\n#### 3 and 4") == ("1", True)
+    assert extract_answer("<answer>2</answer>\n#### 3 and 4") == ("2", True)
+    assert extract_answer("#### 3\nthen 4") == ("3", True)
+    assert extract_answer("3 then 4") == ("4", False)
+    assert extract_answer("none") == (None, False)
+
+
+@pytest.mark.parametrize("response", ["x" * 1_000_000 + " 40", "7" * 1_000_000, "\\boxed{" * 200_000,
+                                      ("{" * 1000 + "\\boxed{") * 500])
+def test_a_megabyte_response_is_scored_in_bounded_time(response):
+    started = time.perf_counter()
+    out = reward(response, "40")
+    assert time.perf_counter() - started < 2.0, "scans must stay linear in the response"
+    assert set(out) == {"reward", "format", "accuracy"}
+
+
+def only_reward(response: str, label: str) -> dict:
+    """A reward function with no parts: 1 for a response that is exactly the label."""
+    return {"reward": float(response.strip() == label)}
+
+
+def short(response: str, label: str) -> dict:
+    return {"reward": -len(response) / 100}
+
+
+def test_weighted_reward_functions_sum_and_log_each_ones_parts():
+    fn = load_reward(RewardConfig(fns=["nano_miles.rewards.math:reward", "tests.test_rewards:short"],
+                                  weights=[1.0, 0.5]))
+    out = fn("\\boxed{40}", "40")
+    assert out["reward"] == pytest.approx(1.0 - 0.5 * 10 / 100)
+    assert out["math/accuracy"] == out["accuracy"] == 1.0 and out["math/format"] == out["format"] == 1.0
+    assert out["math/reward"] == 1.0 and out["short/reward"] == pytest.approx(-0.1)
+    assert load_reward(RewardConfig(fn="tests.test_rewards:only_reward"))("4", "4") == {"reward": 1.0}
+
+
+def test_a_reward_function_without_accuracy_works_through_scoring_records_and_summary():
+    worker = RewardWorker(only_reward, timeout_s=5.0)
+    try:
+        samples = [Sample(np.array(ids, np.int32), np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32),
+                          "stop") for ids in ([1], [2], [1])]
+        group = RolloutGroup("e0-i0", 0, np.array([5, 6], np.int32), samples, metadata={"label": "1"})
+        scored = score_group(group, worker, lambda ids: str(int(ids[0])))
+    finally:
+        worker.stop()
+    assert scored.rewards.tolist() == [1.0, 0.0, 1.0] and scored.reward_parts == {}
+
+    class Loss:
+        loss, clip_fraction, parity, num_tokens = torch.tensor(0.5), 0.0, 0.0, 3
+    stats = StepStats.from_groups([scored], step=1, loss_out=Loss, grad_norm=1.0)
+    assert stats.accuracy is None and stats.format is None and stats.reward == pytest.approx(2 / 3)
+    record = {**stats.as_dict(), "step": 1, "update_ms": 1.0, "queue_depth": 0, "step_s": 0.1,
+              "eval_reward": 0.25}
+    line = format_step_line(record, 10)
+    assert "acc" not in line and "format" not in line and "held-out reward 0.250" in line
+    summary = summarize([record], [[0, None, 0.0, 0.25, None], [1, None, 1.0, 0.75, None]])
+    assert summary["eval_accuracy_start"] is None and summary["eval_accuracy_delta"] is None
+    assert (summary["eval_reward_start"], summary["eval_reward_max"]) == (0.25, 0.75)
