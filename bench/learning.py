@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
             print(f"the run failed:\n{run.tail()}", file=sys.stderr)
             return 1
         summary = json.loads(summary_path.read_text())
-    evals = summary["evals"]
+    evals = [e[:3] for e in summary["evals"]]  # [step, held-out accuracy, elapsed s]
     start = evals[0][1]
     print(f"\n{'step':>6} {'wall s':>8} {'held-out %':>11} {'gain':>7}")
     for step, acc, elapsed in evals:

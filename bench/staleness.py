@@ -69,7 +69,7 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
     records = read_jsonl(run_dir / "metrics.jsonl")
     t0 = records[0]["elapsed_s"] - records[0]["step_s"]
     train_s = records[-1]["elapsed_s"] - t0
-    summary["evals"] = [[step, acc, max(0.0, t - t0)] for step, acc, t in summary["evals"]]
+    summary["evals"] = [[e[0], e[1], max(0.0, e[2] - t0)] for e in summary["evals"]]  # [step, accuracy, s]
     return {"name": name, "seed": seed, "summary": summary, "train_s": train_s, "startup_s": t0,
             "samples_per_s": sum(r["num_samples"] for r in records) / train_s,
             "curve": [[r["elapsed_s"] - t0, r["reward"]] for r in records]}
@@ -77,7 +77,7 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
 
 def time_to_reach(evals: list, accuracy: float) -> float | None:
     """Seconds until the first evaluation at or above `accuracy`; None if none was."""
-    return next((t for _, acc, t in evals if acc >= accuracy - 1e-9), None)
+    return next((e[2] for e in evals if e[1] >= accuracy - 1e-9), None)
 
 
 def resolve_target_accuracy(spec: str, start_accuracies: list[float]) -> float:

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from nano_miles.policy import build_policy
+from nano_miles.policy.build import build_policy
 from nano_miles.run.config import DEFAULT_POLICY_DIR
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

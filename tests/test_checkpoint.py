@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nano_miles.run.config import DEFAULT_POLICY_DIR
 from nano_miles.stages.trainer.checkpoint import (MANIFEST, TrainerState, complete_checkpoints, load_newest,
@@ -26,7 +26,7 @@ def saved(tmp_path):
             for p in model.parameters():
                 p.add_(0.01)
         weights[step] = next(model.parameters()).detach().clone()
-        save_checkpoint(root, model, optimizer, TrainerState(step=step, version=step, run_id="run-a",
+        save_checkpoint(root, model, AutoTokenizer.from_pretrained(DEFAULT_POLICY_DIR), optimizer, TrainerState(step=step, version=step, run_id="run-a",
                                                              started_at=1.0, num_trained_tokens=step * 100))
     fresh = AutoModelForCausalLM.from_pretrained(str(DEFAULT_POLICY_DIR), dtype=torch.float32)
     return root, weights, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3)
@@ -67,3 +67,52 @@ def test_nothing_usable_means_a_fresh_start(saved):
     for d in complete_checkpoints(root):
         (d / "trainer_state.pt").write_bytes(b"")
     assert complete_checkpoints(root) == [] and load_newest(root, model, optimizer) is None
+
+
+def test_a_checkpoint_is_a_complete_model_directory(saved):
+    """from_pretrained takes it as it is: the same weights, a tokenizer that encodes as the run's does,
+    the chat template and the generation config's EOS ids."""
+    root, weights, _, _ = saved
+    newest = root / "step_000025"
+    base_tokenizer = AutoTokenizer.from_pretrained(DEFAULT_POLICY_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(newest)
+    text = "What is (7 * 4) + 12? Put the answer in <answer></answer>.\n"
+    assert tokenizer(text)["input_ids"] == base_tokenizer(text)["input_ids"] != []
+    chat = [{"role": "user", "content": text}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        base_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    model = AutoModelForCausalLM.from_pretrained(newest)
+    assert torch.equal(next(model.parameters()), weights[25])
+    assert model.generation_config.eos_token_id == [1, 262]
+
+
+def test_export_copies_one_checkpoint_without_the_trainer_files(saved, tmp_path):
+    from nano_miles.export import export
+    from nano_miles.run.cli import UserError
+
+    root, weights, _, _ = saved
+    run_dir = root.parent
+    export(run_dir, tmp_path / "newest")
+    export(run_dir, tmp_path / "older", step=20)
+    assert not {"trainer_state.pt", MANIFEST} & {p.name for p in (tmp_path / "newest").iterdir()}
+    for name, step in (("newest", 25), ("older", 20)):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        assert torch.equal(next(model.parameters()), weights[step]), name
+        assert AutoTokenizer.from_pretrained(tmp_path / name)("12")["input_ids"] == [5 + ord("1"), 5 + ord("2")]
+    with pytest.raises(UserError, match="exists and is not empty"):
+        export(run_dir, tmp_path / "newest")
+    with pytest.raises(UserError, match="--step 7: no checkpoint"):
+        export(run_dir, tmp_path / "none", step=7)
+
+
+def test_resume_from_takes_a_checkpoint_or_the_newest_good_one_of_a_run(saved):
+    from nano_miles.run.cli import UserError
+    from nano_miles.stages.trainer.checkpoint import find_checkpoint
+
+    root, _, _, _ = saved
+    assert find_checkpoint(root / "step_000020", "k") == root / "step_000020"
+    assert find_checkpoint(root.parent, "k") == root / "step_000025"
+    (root / "step_000025" / "model.safetensors").write_bytes(b"damaged")
+    assert find_checkpoint(root.parent, "k") == root / "step_000020"
+    with pytest.raises(UserError, match="trainer.resume_from .* neither a checkpoint"):
+        find_checkpoint(root / "step_000020" / "..", "trainer.resume_from")

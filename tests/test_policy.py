@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
-from nano_miles.policy import MAX_NEW_TOKENS, encode_prompt, evaluate_model
+from nano_miles.policy.evaluate import MAX_NEW_TOKENS, evaluate_model
+from nano_miles.policy.formats import encode_prompt
 from nano_miles.tasks.arithmetic import make_expressions, make_problems, reward
 
 MAX_SIZE_BYTES = 8 * 1024 * 1024
@@ -106,7 +107,7 @@ def test_sweep_snapshot_equals_a_build_of_that_many_steps(tmp_path):
     """The warm-up step count is picked from a sweep; that only works if snapshot N of the sweep is
     the policy `build --num-steps N` makes (constant learning rate after the ramp, evaluation leaves
     the training state alone)."""
-    from nano_miles.policy import build_policy, sweep
+    from nano_miles.policy.build import build_policy, sweep
     rows = sweep(tmp_path / "sweep", shape="small", num_steps=4, eval_every=2, device="cpu", num_eval=4)
     assert [r["step"] for r in rows] == [2, 4]
     for row in rows:  # each row describes the snapshot saved with it
@@ -125,6 +126,6 @@ def test_sweep_snapshot_equals_a_build_of_that_many_steps(tmp_path):
 
 
 def test_medium_shape_is_four_times_the_small_one():
-    from nano_miles.policy import build_model
+    from nano_miles.policy.build import build_model
     sizes = {shape: sum(p.numel() for p in build_model(0, shape).parameters()) for shape in ("small", "medium")}
     assert 3.0e6 < sizes["medium"] < 3.5e6 and 3.5 < sizes["medium"] / sizes["small"] < 4.5

@@ -324,7 +324,7 @@ def test_a_quoted_figure_is_what_its_result_file_holds(claim: Claim):
 # ---------------------------------------------------------------- sizes counted from the tree
 @pytest.mark.parametrize("doc", [README, GPU])
 def test_the_docs_give_the_medium_policy_the_size_it_has(doc):
-    from nano_miles.policy import build_model
+    from nano_miles.policy.build import build_model
     num_params = sum(p.numel() for p in build_model(0, "medium").parameters())
     said = re.findall(r"([\d.]+) M parameters", squeeze((REPO / doc).read_text()))
     assert said == [f"{num_params / 1e6:.1f}"], f"{doc} says {said} M parameters; the medium policy has {num_params:,}"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nano_miles.run.config import load_config
 from nano_miles.stages.trainer.checkpoint import save_checkpoint
 from nano_miles.stages.trainer.step_loop import Trainer
-from nano_miles.tasks import encode_prompts
+from nano_miles.tasks.prompts import encode_prompts
 from nano_miles.tasks.arithmetic import make_expressions, make_problems
 from nano_miles.wire.codec import make_group_id
 from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup
@@ -34,7 +34,7 @@ def make_trainer(policy_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("NANOMILES_CONFIG", raising=False)
     (tmp_path / "run").mkdir()
     ctx, trainers = zmq.Context(), []
-    pad_id = AutoTokenizer.from_pretrained(policy_dir).pad_token_id
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
 
     def make(*overrides: str) -> Trainer:
         cfg = load_config(overrides=[
@@ -42,7 +42,7 @@ def make_trainer(policy_dir, tmp_path, monkeypatch):
             "--trainer.metrics_port=0", "--metrics.queue_sample_s=0", f"--rollout.temperature={TEMPERATURE}",
             "--trainer.lr=1e-3", *overrides])
         model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
-        trainers.append(Trainer(cfg, ctx, model, evaluator=None, pad_id=pad_id))
+        trainers.append(Trainer(cfg, ctx, model, tokenizer, evaluator=None, num_items=cfg.task.num_train))
         return trainers[-1]
     yield make
     for t in trainers:
@@ -66,7 +66,7 @@ def scored_groups(policy_dir, first_index: int, log_w: list[float]) -> list[Scor
     problems = make_problems("train", first_index + 2)[first_index:]
     expressions = make_expressions("train", first_index + 2)[first_index:]
     groups, k = [], 0
-    for i, (expression, prompt) in enumerate(zip(expressions, encode_prompts(tokenizer, problems))):
+    for i, (expression, prompt) in enumerate(zip(expressions, encode_prompts(tokenizer, problems, load_config().task))):
         text = expression.worked_response()
         samples = []
         for response_text in (text, text[:4 + 3 * i]):
@@ -140,7 +140,8 @@ def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_t
     trainer = make_trainer()
     for groups in batches[:2]:
         take_step(trainer, groups)
-    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.optimizer, trainer.state)
+    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.tokenizer, trainer.optimizer,
+                    trainer.state)
     saved_state, saved_optimizer = copy.deepcopy(trainer.state), optimizer_state(trainer)
     assert (saved_state.step, saved_state.version, saved_state.cursor) == (2, 2, 4)
     assert all(int(s["step"]) == 2 for s in saved_optimizer["state"].values())

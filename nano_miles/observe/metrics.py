@@ -147,7 +147,10 @@ class TrainerMetrics(StageMetrics):
         self.train_rate = Gauge("nanomiles_train_tokens_per_second", "Trained tokens/s of the last step", registry=r)
         self.reward = Gauge("nanomiles_reward_mean", "Mean reward of the last step's batch", registry=r)
         self.accuracy = Gauge("nanomiles_accuracy_ratio", "Share of correct samples in the last batch", registry=r)
+        self.reward_parts = Gauge("nanomiles_reward_part_mean", "Mean of a reward part in the last batch "
+                                  "(per function with reward.fns)", ["part"], registry=r)
         self.eval_accuracy = Gauge("nanomiles_eval_accuracy_ratio", "Last held-out greedy accuracy", registry=r)
+        self.eval_reward = Gauge("nanomiles_eval_reward_mean", "Last held-out greedy mean reward", registry=r)
         self.goodput = Gauge("nanomiles_goodput_ratio", "Response tokens in the model / generated, over the "
                              "whole run (from durable counts, so restarts do not skew it)", registry=r)
         self.restarts = Counter("nanomiles_restarts_seen", "Restarts of a peer noticed by the trainer", ["stage"],
@@ -170,9 +173,14 @@ class TrainerMetrics(StageMetrics):
         self.trained_tokens.inc(num_tokens)
         self.train_rate.set(num_tokens / train_s if train_s > 0 else 0.0)
         self.reward.set(record.stats.reward)
-        self.accuracy.set(record.stats.accuracy)
+        if record.stats.accuracy is not None:  # a reward function may have no accuracy part
+            self.accuracy.set(record.stats.accuracy)
+        for part, value in record.stats.reward_parts.items():
+            self.reward_parts.labels(part).set(value)
         if record.eval_accuracy is not None:
             self.eval_accuracy.set(record.eval_accuracy)
+        if record.eval_reward is not None:
+            self.eval_reward.set(record.eval_reward)
         if record.goodput is not None:
             self.goodput.set(record.goodput)
         self.step.set(record.step)

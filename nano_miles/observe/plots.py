@@ -37,10 +37,12 @@ def write_plots(run_dir: Path, steps: list[dict], queues: list[dict]) -> list[Pa
         fig, ax = plt.subplots(figsize=(6, 3.5))
         xs = [r["step"] for r in steps]
         ax.plot(xs, [r["reward"] for r in steps], label="reward (batch mean)")
-        ax.plot(xs, [r["accuracy"] for r in steps], label="accuracy (batch)")
-        evals = [(r["step"], r["eval_accuracy"]) for r in steps if "eval_accuracy" in r]
-        if evals:
-            ax.plot(*zip(*evals), marker="o", ls="--", label="held-out accuracy")
+        if all(r.get("accuracy") is not None for r in steps):  # a reward function may have no accuracy
+            ax.plot(xs, [r["accuracy"] for r in steps], label="accuracy (batch)")
+        for key, label in (("eval_accuracy", "held-out accuracy"), ("eval_reward", "held-out reward")):
+            evals = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+            if evals:
+                ax.plot(*zip(*evals), marker="o", ls="--", label=label)
         ax.set_xlabel("step")
         written.append(_save(plt, fig, ax, run_dir / "reward_accuracy.png"))
     if queues:

@@ -11,6 +11,18 @@ from pathlib import Path
 from nano_miles.run.cli import ArgumentParser, UserError, run
 
 
+def held_out_line(s: dict) -> str:
+    """Held-out accuracy start / max / end; mean reward for a reward function without accuracy."""
+    if s.get("eval_accuracy_start") is not None:
+        return (f"  held-out accuracy        start {100 * s['eval_accuracy_start']:.1f}%  "
+                f"max {100 * s['eval_accuracy_max']:.1f}%  end {100 * s['eval_accuracy_end']:.1f}%  "
+                f"(max - start {100 * s['eval_accuracy_delta']:+.1f} points)")
+    if s.get("eval_reward_start") is not None:
+        return (f"  held-out mean reward     start {s['eval_reward_start']:.3f}  max {s['eval_reward_max']:.3f}  "
+                f"end {s['eval_reward_end']:.3f}")
+    return "  held-out                 not evaluated"
+
+
 def report(run_dir: Path) -> tuple[str, bool]:
     failed = run_dir / "FAILED"
     if failed.exists():
@@ -24,9 +36,7 @@ def report(run_dir: Path) -> tuple[str, bool]:
         f"  steps                    {s['num_steps']}",
         f"  mean reward early/late   {s['reward_early']:.3f} -> {s['reward_late']:.3f} "
         f"({s['reward_delta']:+.3f})",
-        f"  held-out accuracy        start {100 * s['eval_accuracy_start']:.1f}%  "
-        f"max {100 * s['eval_accuracy_max']:.1f}%  end {100 * s['eval_accuracy_end']:.1f}%  "
-        f"(max - start {100 * s['eval_accuracy_delta']:+.1f} points)",
+        held_out_line(s),
         f"  mean step time           {s['mean_step_s']:.2f}s (weight update {s['mean_update_ms']:.0f}ms)",
         f"  max staleness            {s['staleness_max']}",
     ]

@@ -8,6 +8,8 @@ Library module; the trainer owns one `RunRecord` and writes it. In the run direc
     ledger.json     every prompt of the run: trained once (at which step), or why not
     queues.jsonl    every hop's queue depth once a second (`queues.py`), plotted at the end (`plots.py`)
     rollouts.jsonl  with `metrics.save_rollouts`: every group trained, one line each (`rollout_line`)
+    samples.jsonl   `metrics.samples_per_step` whole samples per step, as text (`sample_lines`);
+                    `python -m nano_miles.observe.samples RUN_DIR` prints the latest
 
 and the optional TensorBoard / W&B sinks (`sinks.py`) get each step's numbers.
 """
@@ -30,8 +32,8 @@ from nano_miles.wire.codec import group_id_at, position_of
 @dataclass
 class StepStats:
     reward: float
-    format: float             # share of samples with a well-formed answer
-    accuracy: float           # share of samples with the right answer
+    format: float | None      # share of samples with a well-formed answer (None: no such reward part)
+    accuracy: float | None    # share of samples with the right answer (None: no such reward part)
     pg_loss: float
     clip_fraction: float
     grad_norm: float
@@ -47,17 +49,19 @@ class StepStats:
     is_weight_mean: float | None = None     # truncated IS weights (only with recomputed pi_old)
     is_weight_max: float | None = None
     is_weight_clipped: float | None = None
+    reward_parts: dict = field(default_factory=dict)  # mean of every other part (e.g. math/accuracy)
 
     @classmethod
     def from_groups(cls, groups, step: int, loss_out, grad_norm: float) -> "StepStats":
         rewards = np.concatenate([g.rewards for g in groups])
-        parts = {k: np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups])
-                 for k in ("format", "accuracy")}
+        names = sorted({k for g in groups for k in g.reward_parts})
+        parts = {k: float(np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups]).mean())
+                 for k in names}
         oldest = np.array([int(s.versions[0]) for g in groups for s in g.group.samples])
         staleness = (step - 1) - oldest
         values, counts = np.unique(staleness, return_counts=True)
-        return cls(reward=float(rewards.mean()), format=float(parts["format"].mean()),
-                   accuracy=float(parts["accuracy"].mean()), pg_loss=float(loss_out.loss.detach()),
+        return cls(reward=float(rewards.mean()), format=parts.pop("format", None),
+                   accuracy=parts.pop("accuracy", None), reward_parts=parts, pg_loss=float(loss_out.loss.detach()),
                    clip_fraction=loss_out.clip_fraction, grad_norm=grad_norm, parity=loss_out.parity,
                    staleness_min=int(staleness.min()), staleness_max=int(staleness.max()),
                    staleness_mean=float(staleness.mean()),
@@ -87,6 +91,8 @@ class StepRecord:
     elapsed_s: float = 0.0        # training wall time since step 1 (across restarts)
     eval_s: float = 0.0
     eval_accuracy: float | None = None  # held-out greedy accuracy, on evaluation steps only
+    eval_reward: float | None = None    # held-out greedy mean reward, on evaluation steps only
+    eval_pass_at_k: float | None = None  # held-out pass@k, with trainer.eval_samples = k > 1
     phase_s: dict = field(default_factory=dict)  # the step split by phase (`step_phases`)
 
     def to_json(self) -> dict:
@@ -95,8 +101,9 @@ class StepRecord:
                "goodput": self.goodput, "num_resumed_samples": self.num_resumed_samples,
                "group_ids": self.group_ids, "eval_s": self.eval_s, "step_s": self.step_s,
                "elapsed_s": self.elapsed_s, "drops": self.drops, "phase_s": self.phase_s}
-        if self.eval_accuracy is not None:
-            out["eval_accuracy"] = self.eval_accuracy
+        for key in ("eval_accuracy", "eval_reward", "eval_pass_at_k"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -123,13 +130,17 @@ def step_phases(record: StepRecord, received_times: list[tuple[float, float, flo
 
 
 def format_step_line(r: dict, num_steps: int) -> str:
-    line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} | format {100 * r['format']:5.1f}% "
-            f"| acc {100 * r['accuracy']:5.1f}% | pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
+    shares = "".join(f"| {name} {100 * r[key]:5.1f}% " for key, name in (("format", "format"), ("accuracy", "acc"))
+                     if r.get(key) is not None)  # parts a reward function without them does not have
+    line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} {shares}"
+            f"| pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
             f"| gnorm {r['grad_norm']:.3f} | parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
             f"| stale {r['staleness_max']} (v{r['version_oldest']} -> v{r['step'] - 1}) "
             f"| queue {r.get('queue_depth', 0)} | step {r['step_s']:.2f}s")
-    if "eval_accuracy" in r:
+    if r.get("eval_accuracy") is not None:
         line += f" | held-out {100 * r['eval_accuracy']:.1f}%"
+    elif r.get("eval_reward") is not None:
+        line += f" | held-out reward {r['eval_reward']:.3f}"
     return line
 
 
@@ -175,25 +186,33 @@ def ledger_report(state, outstanding: list[str], num_items: int,
 
 
 def summarize(steps: list[dict], evals: list[list]) -> dict:
-    """Early vs late mean reward, held-out accuracy at start / max / end, and the gains."""
+    """Early vs late mean reward, held-out accuracy and reward at start / max / end, and the gains.
+
+    `evals` rows are [step, accuracy, elapsed s, mean reward, pass@k]; accuracy is None for a reward
+    function without an accuracy part, and so are the summary's accuracy figures then."""
     window = max(1, len(steps) // 5)
     early = float(np.mean([r["reward"] for r in steps[:window]])) if steps else float("nan")
     late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")
-    start_acc = evals[0][1] if evals else float("nan")
-    max_acc = max(e[1] for e in evals) if evals else float("nan")
+
+    def start_max_end(column: int) -> tuple:
+        values = [e[column] for e in evals if len(e) > column and e[column] is not None]
+        return (values[0], max(values), values[-1]) if values else (None, None, None)
+    acc_start, acc_max, acc_end = start_max_end(1)
+    reward_start, reward_max, reward_end = start_max_end(3)
     return {
         "num_steps": len(steps),
         "reward_early": early, "reward_late": late, "reward_delta": late - early,
-        "eval_accuracy_start": start_acc, "eval_accuracy_max": max_acc,
-        "eval_accuracy_end": evals[-1][1] if evals else float("nan"),
-        "eval_accuracy_delta": max_acc - start_acc,
+        "eval_accuracy_start": acc_start, "eval_accuracy_max": acc_max, "eval_accuracy_end": acc_end,
+        "eval_accuracy_delta": None if acc_start is None else acc_max - acc_start,
+        "eval_reward_start": reward_start, "eval_reward_max": reward_max, "eval_reward_end": reward_end,
+        "eval_pass_at_k_end": start_max_end(4)[2],
         "staleness_max": max((r["staleness_max"] for r in steps), default=0),
         "staleness_hist": merge_hists(r["staleness_hist"] for r in steps),
         "goodput": steps[-1].get("goodput") if steps else None,
         "drops": steps[-1].get("drops", {}) if steps else {},
         "mean_step_s": float(np.mean([r["step_s"] for r in steps])) if steps else float("nan"),
         "mean_update_ms": float(np.mean([r["update_ms"] for r in steps])) if steps else float("nan"),
-        "evals": evals,  # [step, held-out accuracy, seconds since training started]
+        "evals": evals,
     }
 
 
@@ -209,6 +228,24 @@ def rollout_line(step: int, scored) -> dict:
                         for s, r, a in zip(group.samples, scored.rewards, scored.advantages)]}
 
 
+def sample_lines(step: int, scored, decode, num: int) -> list[dict]:
+    """The first `num` samples of a step's groups, one per group in turn, as text: the prompt exactly
+    as sent (template and special tokens included), the response as generated (stop token included)."""
+    picked = [(g, i) for i in range(max((len(g.group.samples) for g in scored), default=0))
+              for g in scored if i < len(g.group.samples)][:num]
+    lines = []
+    for g, i in picked:
+        sample = g.group.samples[i]
+        lines.append({"step": step, "group_id": g.group.group_id, "sample": i,
+                      "version": int(sample.versions.min()) if len(sample.versions) else None,
+                      "label": g.group.metadata.get("label"), "prompt": decode(g.group.prompt_tokens),
+                      "response": decode(sample.response_tokens), "num_prompt_tokens": len(g.group.prompt_tokens),
+                      "num_response_tokens": len(sample.response_tokens), "finish_reason": sample.finish_reason,
+                      "reward": float(g.rewards[i]), "advantage": float(g.advantages[i]),
+                      "reward_parts": {k: float(v[i]) for k, v in sorted(g.reward_parts.items())}})
+    return lines
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
@@ -216,10 +253,12 @@ def read_jsonl(path: Path) -> list[dict]:
 class RunRecord:
     """Everything of the run directory the trainer writes, besides checkpoints and its log."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, decode):
         self.run_dir, self.is_plotted = cfg.run_dir, cfg.metrics.plots
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.rollouts_path = self.run_dir / "rollouts.jsonl" if cfg.metrics.save_rollouts else None
+        self.samples_path, self.num_samples = self.run_dir / "samples.jsonl", cfg.metrics.samples_per_step
+        self.decode = decode  # token ids -> text with special tokens kept
         self.sinks = make_sinks(cfg)
         self.recorder = None
         if cfg.metrics.queue_sample_s > 0:
@@ -238,6 +277,12 @@ class RunRecord:
         if self.rollouts_path is not None:
             with self.rollouts_path.open("a") as f:
                 f.writelines(json.dumps(rollout_line(step, g)) + "\n" for g in groups)
+
+    def write_samples(self, step: int, groups) -> None:
+        if self.num_samples > 0:
+            with self.samples_path.open("a") as f:
+                f.writelines(json.dumps(line) + "\n" for line in sample_lines(step, groups, self.decode,
+                                                                              self.num_samples))
 
     def steps(self, last_step: int) -> list[dict]:
         """One record per step up to `last_step`, of the surviving history (a restart re-does the

@@ -132,8 +132,9 @@ class View:
         if r is None or "reward" not in r:
             return "last step: none yet"
         phases = " ".join(f"{k} {v:.2f}s" for k, v in r.get("phase_s", {}).items())
+        acc = "" if r.get("accuracy") is None else f"acc {100 * r['accuracy']:.1f}% | "
         return (f"last step {r['step']} (version {r['version']}): reward {r['reward']:.3f} | "
-                f"acc {100 * r['accuracy']:.1f}% | step {r['step_s']:.2f}s | {phases}")
+                f"{acc}step {r['step_s']:.2f}s | {phases}")
 
 
 def positive_seconds(text: str) -> float:

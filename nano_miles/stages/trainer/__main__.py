@@ -10,34 +10,40 @@ from nano_miles.run.cli import ArgumentParser, UserError, run
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.trainer", description=__doc__))
-    from nano_miles.tasks import load_problems, load_reward_fn, load_tokenizer
-    # plug-ins that cannot serve the config: one line now, before the heavy imports
-    reward_fn, test_problems = load_reward_fn(cfg.reward.fn), load_problems(cfg.task, "test")
+    from nano_miles.rewards import load_reward
+    from nano_miles.tasks import load_problems
+    # plug-ins and data that cannot serve the config: one line now, before the heavy imports
+    reward_fn, test_problems = load_reward(cfg.reward), load_problems(cfg, "test")
+    num_items = len(load_problems(cfg, "train"))  # group ids <-> positions in the train split
     import logging
 
     import torch
     import zmq
     from transformers import AutoModelForCausalLM
 
+    from nano_miles.rewards.worker import RewardWorker
     from nano_miles.run.process import setup_process
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
+    from nano_miles.tasks.prompts import load_tokenizer, stop_token_ids
     from nano_miles.wire.sockets import ControlTimeout
 
     device = torch.device(cfg.trainer.device)
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UserError(f"trainer.device is {cfg.trainer.device!r}, but torch {torch.__version__} sees "
                         f"{torch.cuda.device_count()} CUDA devices here")
+    tokenizer = load_tokenizer(cfg.model_dir)
+    stops = stop_token_ids(cfg.model_dir, tokenizer, chat_template=cfg.task.chat_template)
+    worker = RewardWorker(reward_fn, cfg.reward.timeout_s)
+    worker.start()  # forked now, before the model, sockets and threads exist
+    evaluator = make_evaluator(cfg, test_problems, tokenizer, worker, stops)
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
     (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     model.to(cfg.trainer.device)
-    tokenizer = load_tokenizer(cfg.model_dir)
-    evaluator = make_evaluator(cfg, test_problems, tokenizer, reward_fn)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
-        Trainer(cfg, zmq.Context.instance(), model, evaluator, pad_id).train()
+        Trainer(cfg, zmq.Context.instance(), model, tokenizer, evaluator, num_items).train()
     except (TimeoutError, ControlTimeout) as e:  # a peer gone for good: exit, supervisord restarts us
         logging.getLogger("trainer").error("cannot continue: %s", e)
         return 1

@@ -3,8 +3,10 @@
 Library module used by the trainer; `tests/test_chaos.py` kills the trainer around its saves and resumes
 from them, `tests/test_checkpoint.py` damages them.
 
-A checkpoint is a directory `checkpoints/step_NNNNNN/` holding the model (save_pretrained:
-config.json + model.safetensors), `trainer_state.pt` (optimizer state, step, weight version, data
+A checkpoint is a directory `checkpoints/step_NNNNNN/` holding a complete Hugging Face model
+directory (config.json, model.safetensors, generation_config.json, the tokenizer files and chat
+template), so `from_pretrained` and `sglang.launch_server --model-path` take it as it is,
+`python -m nano_miles.export` copies it out without the trainer's files; then `trainer_state.pt` (optimizer state, step, weight version, data
 cursor, which groups each step trained, the run's identity and token counts) and, written last,
 `manifest.json`: the size and SHA-256 of every other file. It is written under a `.tmp` name, every
 file and the directory are fsynced, and only then is it renamed into place.
@@ -27,12 +29,14 @@ from pathlib import Path
 
 import torch
 
+from nano_miles.run.cli import UserError
 from nano_miles.weights.named_tensors import load_safetensors_dir
 
 log = logging.getLogger("trainer")
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
+TRAINER_FILES = (STATE_FILE, MANIFEST)  # what a checkpoint holds beyond the HF model directory
 KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
 
 
@@ -92,12 +96,13 @@ def verify(directory: Path, *, checksums: bool = True) -> None:
             raise DamagedCheckpoint(f"{directory.name}: {name} does not match its SHA-256 in the manifest")
 
 
-def save_checkpoint(root: Path, model, optimizer, state: TrainerState) -> Path:
+def save_checkpoint(root: Path, model, tokenizer, optimizer, state: TrainerState) -> Path:
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
     torch.save({"optimizer": optimizer.state_dict(), "step": state.step, "version": state.version,
                 "cursor": state.cursor, "trained_by_step": state.trained_by_step, "evals": state.evals,
                 "run_id": state.run_id, "started_at": state.started_at,
@@ -146,6 +151,31 @@ def load_newest(root: Path, model, optimizer) -> tuple[Path, TrainerState] | Non
         except (DamagedCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
             log.warning("skipping checkpoint %s: %s", path, e)
     return None
+
+
+def find_checkpoint(path: Path, what: str) -> Path:
+    """`path` itself if it is a checkpoint that verifies, else the newest complete checkpoint of the
+    run directory `path`; a UserError naming `what` (the key or argument) if there is none."""
+    if (path / STATE_FILE).is_file():
+        candidates = [path]
+    elif (path / "checkpoints").is_dir():
+        candidates = list(reversed(complete_checkpoints(path / "checkpoints")))
+    else:
+        raise UserError(f"{what} {str(path)!r} is neither a checkpoint (no {STATE_FILE}) nor a run directory "
+                        "with checkpoints/")
+    for candidate in candidates:
+        try:
+            verify(candidate)
+            return candidate
+        except DamagedCheckpoint as e:
+            log.warning("skipping checkpoint %s: %s", candidate, e)
+    raise UserError(f"{what} {str(path)!r} holds no checkpoint that verifies")
+
+
+def load_resume_from(path: Path, model, optimizer) -> tuple[Path, TrainerState]:
+    """The checkpoint `trainer.resume_from` names, loaded (see `find_checkpoint`)."""
+    found = find_checkpoint(path, "trainer.resume_from")
+    return found, load_checkpoint(found, model, optimizer)
 
 
 def load_checkpoint(path: Path, model, optimizer) -> TrainerState:

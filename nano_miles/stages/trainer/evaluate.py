@@ -1,23 +1,72 @@
-"""Held-out evaluation: greedy accuracy of the served weights on the task's test split.
+"""Held-out evaluation of the served weights: greedy accuracy and mean reward, and pass@k when asked.
 
-Library module used by the trainer, which evaluates through the engine (the weights it just pushed).
+Library module used by the trainer, which evaluates through the engine (the weights it just pushed),
+with the run's prompt format (chat template included) and reward function, which runs in a forked
+worker with the reward stage's per-sample timeout.
+
+Accuracy is the mean of the reward function's "accuracy" part; a function without one has no
+accuracy (None), and its mean reward stands for it. With `trainer.eval_samples` = k > 1, k more
+samples per problem at the rollout temperature give pass@k: the share of problems with at least
+one solved sample (accuracy 1, or a positive reward for a function without accuracy).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from nano_miles.engine.client import sampling_seed
+from nano_miles.rewards.worker import score
 from nano_miles.run.config import Config
-from nano_miles.tasks import encode_prompts, make_decoder
+from nano_miles.tasks.prompts import encode_prompts, make_decoder
 
 
-def make_evaluator(cfg: Config, problems, tokenizer, reward_fn):
-    """A function engine -> greedy accuracy on the held-out `problems`, in one batched /generate call."""
-    prompts = encode_prompts(tokenizer, problems)
+@dataclass
+class EvalResult:
+    accuracy: float | None   # greedy, from the "accuracy" part; None if the reward function has none
+    reward: float            # greedy mean reward
+    pass_at_k: float | None  # with trainer.eval_samples > 1
+    k: int
+
+    def as_row(self, step: int, elapsed_s: float) -> list:
+        """The entry kept in the trainer's state: [step, accuracy, elapsed s, reward, pass@k]."""
+        return [step, self.accuracy, elapsed_s, self.reward, self.pass_at_k]
+
+    def describe(self) -> str:
+        parts = [] if self.accuracy is None else [f"accuracy {100 * self.accuracy:.1f}%"]
+        parts.append(f"mean reward {self.reward:.3f}")
+        if self.pass_at_k is not None:
+            parts.append(f"pass@{self.k} {100 * self.pass_at_k:.1f}%")
+        return ", ".join(parts)
+
+
+def is_solved(parts: dict[str, float]) -> bool:
+    return parts["accuracy"] >= 1.0 if "accuracy" in parts else parts["reward"] > 0
+
+
+def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]):
+    """A function engine -> EvalResult on the held-out `problems`, in batched /generate calls."""
+    prompts = encode_prompts(tokenizer, problems, cfg.task)
     decode = make_decoder(tokenizer)
-    params = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": 0.0}
+    r, k = cfg.rollout, cfg.trainer.eval_samples
+    greedy = {"max_new_tokens": r.max_new_tokens, "temperature": 0.0, "stop_token_ids": stop_ids}
 
-    def evaluate(engine) -> float:
-        outputs = engine.generate(prompts, params, return_logprob=False)
-        correct = [reward_fn(decode(out["output_ids"]), p.answer)["accuracy"]
-                   for out, p in zip(outputs, problems)]
-        return sum(correct) / len(correct)
+    def scores(outputs, labels) -> list[dict[str, float]]:
+        return [score(worker, decode(out["output_ids"]), label) for out, label in zip(outputs, labels)]
+
+    def evaluate(engine, step: int) -> EvalResult:
+        labels = [p.answer for p in problems]
+        parts = scores(engine.generate(prompts, greedy, return_logprob=False), labels)
+        has_accuracy = any("accuracy" in p for p in parts)
+        accuracy = sum(p.get("accuracy", 0.0) for p in parts) / len(parts) if has_accuracy else None
+        pass_at_k = None
+        if k > 1:
+            params = [{"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                       "top_k": r.top_k, "stop_token_ids": stop_ids,
+                       "sampling_seed": sampling_seed(cfg.run.seed, "eval", step, i, j)}
+                      for i in range(len(prompts)) for j in range(k)]
+            sampled = scores(engine.generate([p for p in prompts for _ in range(k)], params, return_logprob=False),
+                             [label for label in labels for _ in range(k)])
+            pass_at_k = sum(any(is_solved(s) for s in sampled[i * k:(i + 1) * k])
+                            for i in range(len(prompts))) / len(prompts)
+        return EvalResult(accuracy, sum(p["reward"] for p in parts) / len(parts), pass_at_k, k)
     return evaluate

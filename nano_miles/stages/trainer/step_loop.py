@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 import zmq
@@ -27,9 +28,10 @@ from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, for
                                            step_phases, summarize)
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.run.identity import ensure_run_identity
-from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, save_checkpoint
+from nano_miles.run.identity import ensure_run_identity, write_run_identity
+from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
 from nano_miles.stages.trainer.peers import Peers
+from nano_miles.tasks.prompts import make_decoder
 from nano_miles.wire.codec import WireError, position_of
 from nano_miles.wire.control import RestoreState
 from nano_miles.wire.data import ScoredGroup, decode_scored
@@ -42,8 +44,9 @@ CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: zmq.Context, model, evaluator, pad_id: int):
-        self.cfg, self.model, self.evaluator, self.pad_id = cfg, model, evaluator, pad_id
+    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, num_items: int):
+        self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
@@ -53,14 +56,14 @@ class Trainer:
         self.state = TrainerState()
         self.resume_from_checkpoint()
         self.trained_ids: set[str] = self.state.trained_ids
-        self.num_items = cfg.task.num_train  # group ids <-> dataset positions
+        self.num_items = num_items  # the train split's size: group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
-        self.record = RunRecord(cfg)
+        self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
 
     @property
     def step(self) -> int:
@@ -78,6 +81,7 @@ class Trainer:
             started = time.perf_counter()
             groups, wait_s = self.pull_batch()
             self.record.write_rollouts(self.step, groups)
+            self.record.write_samples(self.step, groups)
             stats = self.optimize(groups)
             self.peers.request("commit", step=self.step, group_ids=self.state.trained_by_step[self.step],
                                dropped_group_ids=self.take_dropped())
@@ -89,7 +93,7 @@ class Trainer:
             if self.is_due(self.cfg.trainer.eval_every):
                 eval_started = time.perf_counter()
                 self.state.evals.append(self.evaluate())
-                record.eval_accuracy = self.state.evals[-1][1]
+                _, record.eval_accuracy, _, record.eval_reward, record.eval_pass_at_k = self.state.evals[-1]
                 record.eval_s = time.perf_counter() - eval_started  # part of this step, not training
             record.step_s = time.perf_counter() - started
             record.elapsed_s = self.elapsed_s()
@@ -99,7 +103,7 @@ class Trainer:
             self.metrics.step_done(record)
             self.record.write_step(record)
             if self.is_due(self.cfg.trainer.checkpoint_every):
-                save_checkpoint(self.run_dir / "checkpoints", self.model, self.optimizer, self.state)
+                save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.optimizer, self.state)
         return self.finish(engine_busy_start)
 
     def is_due(self, every: int) -> bool:
@@ -107,11 +111,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ start and end
     def resume_from_checkpoint(self) -> None:
-        """The newest checkpoint that verifies, else a fresh start of the run (or of its first steps)."""
+        """The newest checkpoint of this run directory that verifies; else `trainer.resume_from`
+        (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
+        start. So a restarted trainer always picks up its own newest step, never resume_from again."""
         loaded = load_newest(self.run_dir / "checkpoints", self.model, self.optimizer)
+        if loaded is None and self.cfg.trainer.resume_from:
+            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.optimizer)
+            write_run_identity(self.run_dir, loaded[1].run_id, loaded[1].started_at)
         if loaded is not None:
             path, self.state = loaded
-            log.warning("resumed from %s: step %d, %d groups trained", path.name, self.step,
+            log.warning("resumed from %s: step %d, %d groups trained", path, self.step,
                         len(self.state.trained_ids))
         else:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
@@ -249,10 +258,10 @@ class Trainer:
         return stats
 
     def evaluate(self) -> list:
-        """[step, held-out greedy accuracy, seconds since training started]."""
-        accuracy = self.peers.with_engine("evaluation", lambda: self.evaluator(self.peers.engine))
-        log.info("held-out accuracy at step %d: %.1f%%", self.step, 100 * accuracy)
-        return [self.step, accuracy, self.elapsed_s()]
+        """[step, held-out greedy accuracy, seconds since the run started, mean reward, pass@k]."""
+        result = self.peers.with_engine("evaluation", lambda: self.evaluator(self.peers.engine, self.step))
+        log.info("held-out at step %d: %s", self.step, result.describe())
+        return result.as_row(self.step, self.elapsed_s())
 
     def final_parity(self) -> float:
         """max |log p| gap between the engine's prefill scores and this model on one probe sample:

@@ -1,0 +1,83 @@
+"""Builds, sweeps and evaluates the project's small policy (the package docstring says what it is).
+Run: python -m nano_miles.policy {build,sweep,eval} --help
+"""
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+from nano_miles.run.cli import ArgumentParser, UserError, run
+
+SHAPES = ("medium", "small")  # build.MODEL_SHAPES, named here so --help needs no torch
+NUM_TEST = 1945  # the smallest test split of the formats (word problems), so --num fits every one
+
+
+def held_out_count(text: str) -> int:
+    """--num / --num-eval: a number of held-out problems, at most what every format's test split holds."""
+    num = int(text) if text.isdigit() else -1
+    if not 1 <= num <= NUM_TEST:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {NUM_TEST}], not {text!r}")
+    return num
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, not {text!r}")
+    return text
+
+
+def parse_args(argv):
+    import nano_miles.policy as package
+    parser = ArgumentParser(prog="python -m nano_miles.policy", description=package.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="build the tokenizer and model from a seed and warm them up")
+    build.add_argument("--out", type=Path, required=True, help="output directory (HF format)")
+    build.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order")
+    build.add_argument("--num-steps", type=int, default=None, help="supervised warm-up steps (default: the shape's)")
+    sweep_cmd = sub.add_parser("sweep", help="one long warm-up, evaluated and saved every --eval-every steps")
+    sweep_cmd.add_argument("--out", type=Path, required=True, help="directory for step<N>/ snapshots and sweep.json")
+    sweep_cmd.add_argument("--num-steps", type=int, required=True, help="supervised warm-up steps")
+    sweep_cmd.add_argument("--eval-every", type=int, required=True, help="evaluate and save every N steps")
+    sweep_cmd.add_argument("--seed", type=int, default=0, help="seed for the weights and the data order")
+    sweep_cmd.add_argument("--num-eval", type=held_out_count, default=200,
+                           help="number of test problems per format and evaluation")
+    for cmd in (build, sweep_cmd):
+        cmd.add_argument("--shape", choices=SHAPES, default="small",
+                         help="model size: small (the shipped CPU policy) or medium (the GPU policy)")
+        cmd.add_argument("--device", type=device_name, default="cpu", help="torch device of the warm-up, e.g. cuda")
+    evaluate = sub.add_parser("eval", help="greedy accuracy, format rate and pass@k on held-out problems, "
+                                           "in every format")
+    evaluate.add_argument("--model", type=Path, required=True, help="any local HF causal-LM directory")
+    evaluate.add_argument("--num", type=held_out_count, default=200, help="number of test problems per format")
+    evaluate.add_argument("--num-samples", type=int, default=8, help="k of pass@k at temperature 1 (0: skip)")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if getattr(args, "device", "cpu").startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {args.device}, but torch {torch.__version__} sees no CUDA device here")
+    if args.command == "eval" and not (args.model / "config.json").is_file():
+        raise UserError(f"--model {args.model} is not a local HF model directory (no config.json there)")
+    start_s = time.monotonic()
+    if args.command == "build":
+        from nano_miles.policy.build import build_policy
+        build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device)
+        print(f"built {args.out} in {time.monotonic() - start_s:.0f}s")
+    elif args.command == "sweep":
+        from nano_miles.policy.build import sweep
+        sweep(args.out, shape=args.shape, num_steps=args.num_steps, eval_every=args.eval_every,
+              device=args.device, seed=args.seed, num_eval=args.num_eval)
+    else:
+        from nano_miles.policy.evaluate import evaluate_dir
+        result = evaluate_dir(args.model, num=args.num, num_samples=args.num_samples, seed=args.seed)
+        print(" ".join(f"{k} {v:.3f}" for k, v in result.items()) + f" ({time.monotonic() - start_s:.0f}s)")
+
+
+if __name__ == "__main__":
+    run(main, "policy")

@@ -1,0 +1,169 @@
+"""Builds the small policy: a Qwen2 causal LM from a seed, a short supervised warm-up, saved as an HF directory.
+Used as a library (`build_policy(out_dir)`) and by `python -m nano_miles.policy build|sweep`.
+
+The warm-up stops early on purpose, so that greedy accuracy starts low while sampling still finds
+answers: RL then has both room and a signal. It teaches every format of `formats.py`, one per step
+in turn, so each batch has one prompt layout and little padding.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+from nano_miles.policy.formats import FORMATS, encode_prompt, format_expressions, format_problem
+from nano_miles.policy.tokenizer import EOS, IM_END, MAX_POSITIONS, PAD, UNK, VOCAB, build_tokenizer
+
+# "small" is the shipped CPU policy. "medium" (3.2 M parameters, 4x) is the GPU policy: its warm-up
+# takes minutes on one GPU, and it can learn the task to high accuracy.
+MODEL_SHAPES = {
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS),
+    "medium": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS),
+}
+# Warm-up schedule per shape: (steps, batch size, peak lr). The step counts were picked once from a
+# sweep (see assets/policy/README.md and bench/results/gpu/README.md) and are fixed, so a build
+# never looks at test accuracy.
+WARMUP = {"small": (480, 64, 3e-3), "medium": (450, 256, 1e-3)}
+NUM_LR_RAMP_STEPS = 20
+
+
+def build_model(seed: int, shape: str = "small"):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(VOCAB), tie_word_embeddings=True, pad_token_id=VOCAB.index(PAD),
+                         eos_token_id=VOCAB.index(EOS), bos_token_id=None, **MODEL_SHAPES[shape])
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float()
+    # a response ends at EOS or at the end of a chat turn (generation_config.json lists both, as
+    # Qwen2.5-Instruct's does)
+    model.generation_config.eos_token_id = [VOCAB.index(EOS), VOCAB.index(IM_END)]
+    return model
+
+
+def make_batch(tokenizer, fmt: str, expressions) -> dict:
+    """Right-padded prompt + response + end token in format `fmt`; labels are -100 except on the
+    response and its end token."""
+    import torch
+
+    is_chat, end = FORMATS[fmt]
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    rows, label_rows = [], []
+    for e in expressions:
+        problem, response = format_problem(fmt, e)
+        prompt_ids = encode_prompt(tokenizer, problem, chat_template=is_chat)
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [end_id]
+        rows.append(prompt_ids + response_ids)
+        label_rows.append([-100] * len(prompt_ids) + response_ids)
+    max_len = max(len(r) for r in rows)
+    pad = lambda r, v: r + [v] * (max_len - len(r))  # noqa: E731
+    return {
+        "input_ids": torch.tensor([pad(r, tokenizer.pad_token_id) for r in rows]),
+        "attention_mask": torch.tensor([pad([1] * len(r), 0) for r in rows]),
+        "labels": torch.tensor([pad(r, -100) for r in label_rows]),
+    }
+
+
+def lr_at(step: int, peak_lr: float) -> float:
+    """Linear ramp, then constant: a run stopped at step k equals the first k steps of a longer one,
+    so the stopping step could be chosen from a single long sweep."""
+    return peak_lr * min(1.0, (step + 1) / NUM_LR_RAMP_STEPS)
+
+
+def warm_up(model, tokenizer, *, seed: int, num_steps: int, batch_size: int, peak_lr: float,
+            on_step=None) -> None:
+    """Supervised warm-up on train problems in a seeded order (cycled if steps outrun the split),
+    one format per step in turn."""
+    import torch
+
+    formats = list(FORMATS)
+    pools = {fmt: format_expressions(fmt, "train", seed) for fmt in formats}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    start_s = time.monotonic()
+    for step in range(num_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, peak_lr)
+        fmt = formats[step % len(formats)]
+        pool, first = pools[fmt], (step // len(formats)) * batch_size
+        batch = make_batch(tokenizer, fmt, [pool[i % len(pool)] for i in range(first, first + batch_size)])
+        loss = model(**{k: v.to(model.device) for k, v in batch.items()}).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 10 == 0 or step == num_steps - 1:
+            elapsed_s = time.monotonic() - start_s
+            eta_s = elapsed_s / (step + 1) * (num_steps - step - 1)
+            print(f"warm-up step {step + 1}/{num_steps} ({fmt}) loss {loss.item():.4f} "
+                  f"elapsed {elapsed_s:.0f}s eta {eta_s:.0f}s", flush=True)
+        if on_step is not None:
+            on_step(step + 1, model)
+    model.eval()
+
+
+def save_policy(model, tokenizer, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    # Name the class transformers would pick for a qwen2 model anyway, so every version loads alike.
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    special = {"eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def warmed_up_model(tokenizer, *, seed: int, shape: str, num_steps: int | None, device: str, on_step=None):
+    """The model of `shape` from `seed` after its warm-up (the shape's schedule; `num_steps` if given)."""
+    default_steps, batch_size, peak_lr = WARMUP[shape]
+    model = build_model(seed, shape).to(device)
+    warm_up(model, tokenizer, seed=seed, num_steps=default_steps if num_steps is None else num_steps,
+            batch_size=batch_size, peak_lr=peak_lr, on_step=on_step)
+    return model
+
+
+def build_policy(out_dir, *, seed: int = 0, shape: str = "small", num_steps: int | None = None,
+                 device: str = "cpu") -> Path:
+    """Build the tokenizer and model from `seed`, warm up (the shape's schedule), save to `out_dir`."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device)
+    save_policy(model.cpu(), tokenizer, out_dir)
+    return out_dir
+
+
+def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device: str, seed: int = 0,
+          num_eval: int = 200, num_samples: int = 8) -> list[dict]:
+    """One long warm-up, evaluated in every format every `eval_every` steps; each evaluated snapshot
+    is saved as out_dir/step<N>, the table as out_dir/sweep.json. With the constant learning rate
+    after the ramp, snapshot N is exactly what `build --num-steps N` makes, so a step count can be
+    picked from here."""
+    import torch
+
+    from nano_miles.policy.evaluate import evaluate_formats
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, rows = build_tokenizer(), []
+    start_s = time.monotonic()
+
+    def on_step(step: int, model) -> None:
+        if step % eval_every and step != num_steps:
+            return
+        model.eval()
+        torch.manual_seed(seed)
+        row = {"step": step, "warmup_s": round(time.monotonic() - start_s, 1),
+               **evaluate_formats(model, tokenizer, num_eval, num_samples=num_samples)}
+        model.train()
+        save_policy(copy.deepcopy(model).cpu(), tokenizer, out_dir / f"step{step}")
+        rows.append(row)
+        (out_dir / "sweep.json").write_text(json.dumps({"shape": shape, "seed": seed, "rows": rows}, indent=2))
+        print("sweep " + " ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+
+    warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device, on_step=on_step)
+    return rows

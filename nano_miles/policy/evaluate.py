@@ -1,0 +1,78 @@
+"""Measures a policy directly (no engine): greedy accuracy, format rate and pass@k per format.
+Used as a library by the sweep and by `python -m nano_miles.policy eval --model DIR`.
+"""
+
+from __future__ import annotations
+
+from nano_miles.policy.formats import FORMATS, encode_prompt, format_problems, format_reward
+from nano_miles.tasks import Problem
+
+MAX_NEW_TOKENS = 40
+
+
+def generate(model, tokenizer, prompts: list[list[int]], *, num_samples: int, temperature: float,
+             max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[str]]:
+    """Per prompt, `num_samples` decoded responses (greedy when temperature is 0), ended by any of
+    the model's EOS ids (generation_config.json)."""
+    import torch
+
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    out: list[list[str]] = [[] for _ in prompts]
+    # Equal-length groups need no padding, so no position or mask subtleties.
+    for indices in by_length.values():
+        input_ids = torch.tensor([prompts[i] for i in indices], device=model.device)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        with torch.no_grad():
+            seqs = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                  max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
+                                  eos_token_id=model.generation_config.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **sampling)
+        texts = tokenizer.batch_decode(seqs[:, input_ids.shape[1]:], skip_special_tokens=True)
+        for k, i in enumerate(indices):
+            out[i] = texts[k * num_samples:(k + 1) * num_samples]
+    return out
+
+
+def evaluate_model(model, tokenizer, problems: list[Problem], *, fmt: str = "raw",
+                   num_samples: int = 8) -> dict[str, float]:
+    """Greedy accuracy and format rate, and pass@num_samples at temperature 1, scored by the reward
+    function of `fmt`."""
+    reward, (is_chat, _) = format_reward(fmt), FORMATS[fmt]
+    prompts = [encode_prompt(tokenizer, p, chat_template=is_chat) for p in problems]
+    greedy = [reward(r[0], p.answer) for r, p in
+              zip(generate(model, tokenizer, prompts, num_samples=1, temperature=0.0), problems)]
+    result = {"greedy_accuracy": sum(s["accuracy"] for s in greedy) / len(problems),
+              "format": sum(s["format"] for s in greedy) / len(problems)}
+    if num_samples > 0:
+        samples = generate(model, tokenizer, prompts, num_samples=num_samples, temperature=1.0)
+        is_solved = [any(reward(s, p.answer)["accuracy"] for s in group) for group, p in zip(samples, problems)]
+        result[f"pass@{num_samples}"] = sum(is_solved) / len(problems)
+    return result
+
+
+def evaluate_formats(model, tokenizer, num: int, *, num_samples: int = 8) -> dict[str, float]:
+    """`evaluate_model` on `num` test problems of every format; raw's keys plain, the others'
+    prefixed with the format (`word/greedy_accuracy`)."""
+    result = {}
+    for fmt in FORMATS:
+        scores = evaluate_model(model, tokenizer, format_problems(fmt, "test", num), fmt=fmt, num_samples=num_samples)
+        result.update({k if fmt == "raw" else f"{fmt}/{k}": v for k, v in scores.items()})
+    return result
+
+
+def load_policy(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def evaluate_dir(model_dir, *, num: int = 200, num_samples: int = 8, seed: int = 0) -> dict[str, float]:
+    import torch
+
+    torch.manual_seed(seed)
+    model, tokenizer = load_policy(model_dir)
+    return evaluate_formats(model, tokenizer, num, num_samples=num_samples)

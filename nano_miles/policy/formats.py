@@ -1,0 +1,55 @@
+"""The formats the small policy is taught and measured in: a prompt layout, a response and how it ends.
+Used as a library by the warm-up (`build.py`) and the evaluation (`evaluate.py`).
+
+    raw   `What is (7 * 4) + 12? Put the answer in <answer></answer>.\\n` -> `7*4=28, 28+12=40 <answer>40</answer>` EOS
+    chat  the same prompt as a ChatML user turn -> the same response, then `<|im_end|>`
+    word  a word problem (`nano_miles.tasks.word_problems`) as a user turn -> `7*4=28, 28+12=40\\n#### 40<|im_end|>`
+
+`raw` is the default run (`nano_miles.tasks.arithmetic`), `chat` the same run with
+`task.chat_template = true`, `word` a user-style run on a GSM8K-style file with the math reward.
+Prompts become ids the pipeline's way (`nano_miles/tasks/prompts.py`): no BOS, the chat template
+when the format has it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from nano_miles.rewards import math as math_reward
+from nano_miles.tasks import Problem, arithmetic
+from nano_miles.tasks.prompts import prompt_text
+from nano_miles.tasks.word_problems import solution, story, story_expressions
+from nano_miles.policy.tokenizer import EOS, IM_END
+
+# name -> (uses the chat template, the token that ends a response)
+FORMATS = {"raw": (False, EOS), "chat": (True, IM_END), "word": (True, IM_END)}
+
+
+def encode_prompt(tokenizer, problem: Problem, *, chat_template: bool = False) -> list[int]:
+    """The prompt's token ids as the pipeline sends them: no BOS; the chat template if asked for."""
+    return tokenizer(prompt_text(tokenizer, problem.prompt, chat_template=chat_template),
+                     add_special_tokens=False)["input_ids"]
+
+
+def format_problem(fmt: str, e) -> tuple[Problem, str]:
+    """An arithmetic expression as a problem of format `fmt`, and the response the warm-up teaches."""
+    if fmt == "word":
+        return Problem(story(e), solution(e)), solution(e)
+    return Problem(arithmetic.render_prompt(e.text()), str(e.value())), e.worked_response()
+
+
+def format_reward(fmt: str):
+    """The reward function a run in this format uses."""
+    return math_reward.reward if fmt == "word" else arithmetic.reward
+
+
+def format_expressions(fmt: str, split: str, seed: int = 0, num: int | None = None) -> list:
+    """The expressions of `split` that `fmt` can tell (word problems: those that make a story), in a
+    seeded order; for raw and chat the same order as `arithmetic.make_expressions`."""
+    pool = list(story_expressions(split) if fmt == "word" else arithmetic.split_expressions(split))
+    random.Random(seed).shuffle(pool)
+    return pool if num is None else pool[:num]
+
+
+def format_problems(fmt: str, split: str, num: int, seed: int = 0) -> list[Problem]:
+    return [format_problem(fmt, e)[0] for e in format_expressions(fmt, split, seed, num)]
