@@ -1,11 +1,13 @@
 """Held-out accuracy over wall time for the default synchronous run, under the real supervisord.
 
-Run: python bench/learning.py [--section.key=value ...]   (e.g. --trainer.num_steps=100)
+Run: python bench/learning.py [--word-problems] [--section.key=value ...]   (e.g. --trainer.num_steps=100)
 
 Starts the pipeline exactly as `make run` does (configs/default.toml plus the given overrides) in a
 private run directory, follows the trainer's progress, then prints accuracy at each evaluation with
 the wall time it took to get there, and writes bench/results/learning.json and learning.png: the
-figures the README quotes for `make run` (same config, same seed, so the same run).
+figures the README quotes for `make run` (same config, same seed, so the same run). With
+`--word-problems` the run is the README's own-data example instead (examples/word_problems/ through
+the chat template, the math reward), written to learning_word_problems.json and .png.
 Target on a 2-core CPU machine: +30 points of held-out accuracy within 10 minutes; the verdict ("met"
 or "missed by X points") is printed and kept in learning.json.
 """
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.learning_runs import WORD_PROBLEMS  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -45,7 +48,7 @@ def follow(run, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def plot(evals: list, out: Path) -> bool:
+def plot(evals: list, out: Path, title: str) -> bool:
     from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
@@ -56,7 +59,7 @@ def plot(evals: list, out: Path) -> bool:
     ax.axvline(TARGET_S / 60, ls=":", c="gray")
     ax.set_xlabel("wall time since training started (min)")
     ax.set_ylabel("held-out greedy accuracy (%)")
-    ax.set_title("sync GRPO, small policy, 2 CPU cores")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -69,6 +72,10 @@ def main(argv: list[str]) -> int:
         return 0
     from harness.supervised_run import SupervisedRun
     from nano_miles.run.config import ConfigError, load_config
+    name, title = "learning", "sync GRPO, small policy, 2 CPU cores"
+    if "--word-problems" in argv:
+        argv = WORD_PROBLEMS + [a for a in argv if a != "--word-problems"]
+        name, title = "learning_word_problems", "sync GRPO, word problems (JSONL, chat template), 2 CPU cores"
     try:
         cfg = load_config(overrides=argv)
     except ConfigError as e:
@@ -109,9 +116,9 @@ def main(argv: list[str]) -> int:
               "evals": evals, "gain_points_within_target": gain,
               "seconds_to_target": reached, "mean_step_s": summary["mean_step_s"],
               "mean_update_ms": summary["mean_update_ms"], "verdicts": [verdict.to_json()]}
-    (RESULTS / "learning.json").write_text(json.dumps(result, indent=2))
-    if plot(evals, RESULTS / "learning.png"):
-        print(f"wrote {RESULTS / 'learning.json'} and learning.png")
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    if plot(evals, RESULTS / f"{name}.png", title):
+        print(f"wrote {RESULTS / name}.json and {name}.png")
     return 0
 
 

@@ -19,6 +19,10 @@ SYNC = ["--trainer.num_steps=48", "--trainer.batch_groups=16", "--rollout.group_
 ASYNC = ["--run.mode=async", "--run.max_staleness=2", "--trainer.num_steps=40", "--trainer.batch_groups=8",
          "--rollout.group_size=8", "--trainer.eval_every=20", "--task.num_test=200", "--trainer.lr=1e-4"]
 CONFIGS = {"sync": SYNC, "async": ASYNC}
+# README "Train on your own data", without a GPU: the project's word problems as a user's JSONL file
+WORD_PROBLEMS = ["--task.name=nano_miles.tasks.files", "--task.train_file=examples/word_problems/train.jsonl",
+                 "--task.test_file=examples/word_problems/test.jsonl", "--task.prompt_key=question",
+                 "--task.label_key=answer", "--task.chat_template=true", "--reward.fn=nano_miles.rewards.math:reward"]
 GAINS = ("eval_gain", "reward_gain")  # held-out max - start; late - early training reward
 
 

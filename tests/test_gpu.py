@@ -21,6 +21,7 @@ from nano_miles.engine.client import EngineClient, parse_output
 
 pytestmark = GPU_ONLY
 
+IM_END = 262  # the small policy's end-of-turn token
 MAX_PARITY_BF16 = 0.01  # mean |log p_engine - log p_trainer| over response tokens, both in bf16
 
 
@@ -49,9 +50,12 @@ def load_trainer_model(policy_dir, dtype):
 
 
 def sample(client, prompts, max_new_tokens=32):
+    """(tokens, logprobs) per prompt, without a final <|im_end|>: SGLang 0.5.16 echoes that id as 0 when
+    it ends the input of a prefill-only score (docs/sglang-contract.md §2.4), so it cannot be scored."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
     outs = client.generate(prompts, params, return_logprob=True)
-    return [parse_output(o["meta_info"], o["output_ids"])[:2] for o in outs]
+    samples = [parse_output(o["meta_info"], o["output_ids"])[:2] for o in outs]
+    return [(t[:-1], lp[:-1]) if t[-1:] == [IM_END] else (t, lp) for t, lp in samples]
 
 
 def trainer_logprobs(model, prompts, responses) -> list[list[float]]:

@@ -11,7 +11,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 DISTRIBUTION = {"zmq": "pyzmq"}  # import names that differ from their distribution's name
 # imported only where an option asks for them, each declared in an extra
 OPTIONAL = {"sglang": "gpu",  # the engine and weight transports on a GPU
-            "wandb": "test"}  # metrics.wandb_project, off by default
+            "wandb": "test",  # metrics.wandb_project, off by default
+            "datasets": "data"}  # task data as Parquet or a datasets directory
 
 
 def requirement_names(requirements: list[str]) -> set[str]:

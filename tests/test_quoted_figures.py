@@ -341,7 +341,8 @@ def num_lines(*parts: str) -> int:
     return sum(len(p.read_text().splitlines()) for p in files)
 
 
-FOLDERS = ("stages", "local_engine", "observe", "wire", "run", "weights", "engine", "policy.py", "tasks", "algo")
+FOLDERS = ("stages", "local_engine", "observe", "wire", "run", "weights", "engine", "policy", "tasks", "rewards",
+           "algo")
 SIZE_CLAIMS = [  # (template, [(name, counted, is_about)])
     ("The library is about {} lines of Python in {} modules, none over {} lines",
      [("lines", num_lines("."), True), ("modules", len(list(PACKAGE.rglob("*.py"))), False),

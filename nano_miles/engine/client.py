@@ -183,7 +183,8 @@ class EngineClient:
                             logprob_start_len=len(prompt_ids) - 1)
         entries = out["meta_info"]["input_token_logprobs"][-len(response_ids):]
         if [e[1] for e in entries] != list(response_ids):
-            raise ValueError("input_token_logprobs token ids disagree with the response ids")
+            raise ValueError(f"input_token_logprobs token ids disagree with the response ids: "
+                             f"{[e[1] for e in entries]} for {list(response_ids)} after {len(prompt_ids)} prompt ids")
         return [e[0] for e in entries]
 
     def pause(self, mode: str = "abort") -> dict:
