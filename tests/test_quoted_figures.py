@@ -142,6 +142,13 @@ CLAIMS = [
       F("learning.json", "num_steps"), F("learning.json", "wall_s", fmt=lambda v: f"{v / 60:.0f}"),
       F("learning.json", "eval_accuracy_start", fmt=pct(0)), F("learning.json", "eval_accuracy_max", fmt=pct(1)),
       F("learning.json", "eval_accuracy_end", fmt=pct(1))),
+    C(README, "On 2 cores its {} steps take about {} minutes and lift held-out accuracy on the {} test problems "
+              "from {} % to a peak of {} % (`bench/results/learning_word_problems.json`",
+      F("learning_word_problems.json", "num_steps"),
+      F("learning_word_problems.json", "wall_s", fmt=lambda v: f"{v / 60:.0f}"),
+      F("learning_word_problems.json", "config", "task", "num_test"),
+      F("learning_word_problems.json", "eval_accuracy_start", fmt=pct(1)),
+      F("learning_word_problems.json", "eval_accuracy_max", fmt=pct(1))),
     C(README, "(a {} M-parameter Qwen2 shipped in", F(WS_CPU, {"shape": "policy"}, "num_params",
                                                     fmt=lambda v: f"{v / 1e6:.1f}")),
     C(README, "that policy, shipped: a {} M-parameter Qwen2 and its tokenizer",
