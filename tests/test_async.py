@@ -58,7 +58,7 @@ def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
         f"--reward.endpoint=ipc://{tmp_path}/r"])
     ctx = zmq.Context()
     prompt = [5, 6, 7, 8, 9]
-    producer = RolloutProducer(cfg, ctx, [Problem("p", "0")], [prompt])
+    producer = RolloutProducer(cfg, ctx, [Problem("p", "0")], [prompt], stop_token_ids=[])
     engine = EngineClient(url)
     result = {}
     worker = threading.Thread(target=lambda: result.update(group=producer.generate_group("e0-i0", 0)))

@@ -25,7 +25,7 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
     problems = [SimpleNamespace(answer=str(i)) for i in range(5)]
     prompts = [[5] * (context_len + 10), [5, 6, 7], [8, 9], [10], [11, 12]]
     ctx = zmq.Context()
-    producer = RolloutProducer(cfg, ctx, problems, prompts)
+    producer = RolloutProducer(cfg, ctx, problems, prompts, stop_token_ids=[])
     pull = ctx.socket(zmq.PULL)
     pull.bind(cfg.reward.endpoint)
     try:

@@ -104,7 +104,8 @@ def producer_behind(proxy: FaultyProxy, tmp_path):
                                  "--rollout.metrics_port=0", "--rollout.group_size=2", "--rollout.max_new_tokens=4",
                                  "--trainer.batch_groups=1", f"--task.num_train={len(PROMPTS)}"])
     ctx = zmq.Context()
-    producer = RolloutProducer(cfg, ctx, [SimpleNamespace(answer=str(i)) for i in range(len(PROMPTS))], PROMPTS)
+    producer = RolloutProducer(cfg, ctx, [SimpleNamespace(answer=str(i)) for i in range(len(PROMPTS))], PROMPTS,
+                               stop_token_ids=[])
     pull = ctx.socket(zmq.PULL)
     pull.bind(cfg.reward.endpoint)
     try:

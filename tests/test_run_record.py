@@ -36,7 +36,7 @@ def run_cfg(tmp_path, monkeypatch):
 def test_steps_and_sinks_from_first_step_to_finish(run_cfg, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = RunRecord(run_cfg)
+    run = RunRecord(run_cfg, decode=str)
     assert [type(s).__name__ for s in run.sinks] == ["TensorBoardSink", "WandbSink"]
     run.write_step(record(1, 0.25))
     run.write_step(record(2, 0.5, eval_accuracy=0.3))

@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 16384  # padded tokens per prefill forward; bounds the memory of a burst of arrivals
 IDLE_WAIT_S = 0.5
-# A forward of fewer rows takes other matrix kernels on the CPU, whose sums differ in the last bits
-# (below 4 rows, measured): small batches are padded with copies, so a row's logits, and a seeded
-# request's draws, do not depend on how many others share its batch (see also kv_batch.py).
-MIN_ROWS = 8
+# A forward of fewer rows takes other matrix kernels on the CPU, whose sums differ in the last bits:
+# small batches are padded with copies, so a row's logits, and a seeded request's draws, do not
+# depend on how many others share its batch (see also kv_batch.py). Where the kernels switch depends
+# on the CPU and the shape: below 4 rows on one machine; below 16 rows for the MLP's down projection
+# (K = 384) under MKL's AVX-512 kernels on another (rows of 8..15 and of 16+ differ; 16+ agree).
+MIN_ROWS = 16
 
 
 class SchedulerStopped(RuntimeError):

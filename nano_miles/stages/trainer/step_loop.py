@@ -118,9 +118,10 @@ class Trainer:
         if loaded is None and self.cfg.trainer.resume_from:
             loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.optimizer)
             write_run_identity(self.run_dir, loaded[1].run_id, loaded[1].started_at)
+            log.warning("continuing run %s from %s (trainer.resume_from)", loaded[1].run_id, loaded[0])
         if loaded is not None:
             path, self.state = loaded
-            log.warning("resumed from %s: step %d, %d groups trained", path, self.step,
+            log.warning("resumed from %s: step %d, %d groups trained", path.name, self.step,
                         len(self.state.trained_ids))
         else:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
