@@ -195,7 +195,7 @@ def summarize(steps: list[dict], evals: list[list]) -> dict:
     late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")
 
     def start_max_end(column: int) -> tuple:
-        values = [e[column] for e in evals if len(e) > column and e[column] is not None]
+        values = [e[column] for e in evals if e[column] is not None]
         return (values[0], max(values), values[-1]) if values else (None, None, None)
     acc_start, acc_max, acc_end = start_max_end(1)
     reward_start, reward_max, reward_end = start_max_end(3)

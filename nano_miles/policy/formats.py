@@ -17,7 +17,7 @@ import random
 
 from nano_miles.rewards import math as math_reward
 from nano_miles.tasks import Problem, arithmetic
-from nano_miles.tasks.prompts import prompt_text
+from nano_miles.tasks.prompts import prompt_ids
 from nano_miles.tasks.word_problems import solution, story, story_expressions
 from nano_miles.policy.tokenizer import EOS, IM_END
 
@@ -27,8 +27,7 @@ FORMATS = {"raw": (False, EOS), "chat": (True, IM_END), "word": (True, IM_END)}
 
 def encode_prompt(tokenizer, problem: Problem, *, chat_template: bool = False) -> list[int]:
     """The prompt's token ids as the pipeline sends them: no BOS; the chat template if asked for."""
-    return tokenizer(prompt_text(tokenizer, problem.prompt, chat_template=chat_template),
-                     add_special_tokens=False)["input_ids"]
+    return prompt_ids(tokenizer, problem.prompt, chat_template=chat_template)
 
 
 def format_problem(fmt: str, e) -> tuple[Problem, str]:

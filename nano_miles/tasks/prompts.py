@@ -52,11 +52,16 @@ def prompt_text(tokenizer, prompt, *, chat_template: bool, system_prompt: str = 
                                          add_generation_prompt=True)
 
 
+def prompt_ids(tokenizer, prompt, *, chat_template: bool, system_prompt: str = "") -> list[int]:
+    """The token ids sent for `prompt` (see `prompt_text`): no special tokens added."""
+    text = prompt_text(tokenizer, prompt, chat_template=chat_template, system_prompt=system_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def encode_prompts(tokenizer, problems, task_cfg) -> list[list[int]]:
     """Each problem's prompt as token ids, once; from here on only ids travel."""
-    return [tokenizer(prompt_text(tokenizer, p.prompt, chat_template=task_cfg.chat_template,
-                                  system_prompt=task_cfg.system_prompt), add_special_tokens=False)["input_ids"]
-            for p in problems]
+    return [prompt_ids(tokenizer, p.prompt, chat_template=task_cfg.chat_template,
+                       system_prompt=task_cfg.system_prompt) for p in problems]
 
 
 def end_of_turn_id(tokenizer) -> int | None:
