@@ -9,16 +9,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nano_miles.run.config import DEFAULT_POLICY_DIR
+from nano_miles.run.config import DEFAULT_POLICY_DIR, TrainerConfig
 from nano_miles.stages.trainer.checkpoint import (MANIFEST, TrainerState, complete_checkpoints, load_newest,
                                                   save_checkpoint)
+from nano_miles.stages.trainer.learner import Learner
+
+
+def learner(model) -> Learner:
+    return Learner(TrainerConfig(lr=1e-3), model, pad_id=0, temperature=1.0)
 
 
 @pytest.fixture
 def saved(tmp_path):
     """Checkpoints of steps 20 and 25 whose weights differ, and a fresh model to load them into."""
     model = AutoModelForCausalLM.from_pretrained(str(DEFAULT_POLICY_DIR), dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = learner(model)
     root = tmp_path / "checkpoints"
     weights = {}
     for step in (20, 25):
@@ -29,7 +34,7 @@ def saved(tmp_path):
         save_checkpoint(root, model, AutoTokenizer.from_pretrained(DEFAULT_POLICY_DIR), optimizer, TrainerState(step=step, version=step, run_id="run-a",
                                                              started_at=1.0, num_trained_tokens=step * 100))
     fresh = AutoModelForCausalLM.from_pretrained(str(DEFAULT_POLICY_DIR), dtype=torch.float32)
-    return root, weights, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    return root, weights, fresh, learner(fresh)
 
 
 def test_an_intact_checkpoint_loads_with_all_its_state(saved):

@@ -113,14 +113,26 @@ def test_batch_rejects_inconsistent_samples():
 
 
 class Bigram(torch.nn.Module):
-    """A model whose logits at a position depend only on the token there: easy to check by hand."""
+    """A model whose logits at a position depend only on the token there: easy to check by hand. It has
+    what scoring uses of a Hugging Face causal LM: the final hidden states and the output head."""
 
     def __init__(self, vocab=7):
         super().__init__()
-        self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)))
+        self.config = type("Config", (), {})()
+        self.embed = torch.nn.Embedding(vocab, vocab)
+        self.head = torch.nn.Linear(vocab, vocab, bias=False)
+        with torch.no_grad():  # logits at a position = table[token there]
+            self.embed.weight.copy_(torch.eye(vocab))
+            self.head.weight.copy_(torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(0)).T)
+        self.table = self.head.weight.T
 
-    def forward(self, input_ids, attention_mask=None, use_cache=False):
-        return type("Out", (), {"logits": self.table[input_ids]})()
+    def forward(self, input_ids, attention_mask=None, use_cache=False, output_hidden_states=False,
+                logits_to_keep=0):
+        hidden = self.embed(input_ids)
+        return type("Out", (), {"hidden_states": (hidden,), "logits": self.head(hidden[:, -logits_to_keep:])})()
+
+    def get_output_embeddings(self):
+        return self.head
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])

@@ -124,7 +124,7 @@ def test_recomputed_old_logprobs_take_the_ratio_and_truncated_is_weights_correct
 
 
 def optimizer_state(trainer: Trainer) -> dict:
-    return copy.deepcopy(trainer.optimizer.state_dict())
+    return copy.deepcopy(trainer.learner.optimizer.state_dict())
 
 
 def assert_same_optimizer_state(a: dict, b: dict) -> None:
@@ -135,28 +135,35 @@ def assert_same_optimizer_state(a: dict, b: dict) -> None:
             assert torch.equal(value, b["state"][k][name]), (k, name)
 
 
+SCHEDULE = ["--trainer.lr_warmup_steps=2", "--trainer.lr_schedule=cosine", "--trainer.num_steps=5",
+            "--trainer.lr_min=1e-4"]
+
+
 def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_trainer, policy_dir):
-    batches = [scored_groups(policy_dir, 2 * n, [0.1, -0.2, 0.0]) for n in range(3)]
-    trainer = make_trainer()
-    for groups in batches[:2]:
-        take_step(trainer, groups)
-    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.tokenizer, trainer.optimizer,
+    """Weights, optimizer and the learning-rate schedule all continue where the checkpoint left them."""
+    batches = [scored_groups(policy_dir, 2 * n, [0.1, -0.2, 0.0]) for n in range(4)]
+    trainer = make_trainer(*SCHEDULE)
+    lrs = [take_step(trainer, groups).lr for groups in batches[:2]]
+    assert lrs == pytest.approx([5e-4, 1e-3])  # warm-up
+    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.tokenizer, trainer.learner,
                     trainer.state)
     saved_state, saved_optimizer = copy.deepcopy(trainer.state), optimizer_state(trainer)
     assert (saved_state.step, saved_state.version, saved_state.cursor) == (2, 2, 4)
     assert all(int(s["step"]) == 2 for s in saved_optimizer["state"].values())
 
-    resumed = make_trainer()  # the same run directory: it starts from the checkpoint
+    resumed = make_trainer(*SCHEDULE)  # the same run directory: it starts from the checkpoint
     assert resumed.state == saved_state and resumed.trained_ids == {"e0-i0", "e0-i1", "e0-i2", "e0-i3"}
     assert_same_optimizer_state(optimizer_state(resumed), saved_optimizer)
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
 
-    take_step(trainer, batches[2])
-    take_step(resumed, batches[2])
-    assert resumed.state.cursor == trainer.state.cursor == 6 and resumed.state.version == 3
+    for groups, want_lr in zip(batches[2:], [1e-3, 1e-4 + 0.9e-3 * 0.5]):  # the cosine's first steps
+        assert take_step(trainer, groups).lr == pytest.approx(want_lr)
+        assert take_step(resumed, groups).lr == pytest.approx(want_lr)
+    assert resumed.learner.scheduler.state_dict() == trainer.learner.scheduler.state_dict()
+    assert resumed.state.cursor == trainer.state.cursor == 8 and resumed.state.version == 4
     assert_same_optimizer_state(optimizer_state(resumed), optimizer_state(trainer))
     for (name, p), q, base in zip(trainer.model.named_parameters(), resumed.model.parameters(),
                                   AutoModelForCausalLM.from_pretrained(str(policy_dir)).parameters()):
         assert torch.equal(p, q), name
-        assert not torch.equal(p, base), name  # three steps moved every parameter
+        assert not torch.equal(p, base), name  # four steps moved every parameter

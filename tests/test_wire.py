@@ -60,13 +60,13 @@ def fixed_status() -> ProducerStatus:
 
 def fixed_controls() -> dict[str, bytes]:
     state = {"step": 7, "version": 7, "committed_group_ids": ["e0-i0", "e0-i1"], "cursor": 2,
-             "num_generated_tokens": 1234}
+             "num_generated_tokens": 1234, "no_signal_group_ids": ["e0-i3"]}
     return {"request_restore": encode_request("restore", "trainer-1-42", "3f9a2c71d0be", state=state),
             "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
 
 
-# schema version of each golden message: data plane v2, control plane v3
-GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 3, "reply_status": 3}
+# schema version of each golden message: data plane v2, control plane v4
+GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 4, "reply_status": 4}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -160,9 +160,11 @@ def test_group_properties_and_ids():
 
 
 def test_control_round_trip():
-    state = RestoreState(step=3, version=3, committed_group_ids=["e0-i5"], cursor=20001)
+    state = RestoreState(step=3, version=3, committed_group_ids=["e0-i5"], cursor=20001,
+                         no_signal_group_ids=["e0-i4"])
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
-             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"]}), ("restore", {"state": state}), ("status", {})]
+             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"],
+                         "no_signal_group_ids": ["e0-i3"]}), ("restore", {"state": state}), ("status", {})]
     for cmd, args in cases:
         assert decode_request(encode_request(cmd, "r1", "run-a", **args)) == ControlRequest(cmd, "r1", args, "run-a")
     assert decode_reply(encode_reply("r1", "inc", {"n": [1, 2.5, None, {"a": "b"}]})) == \
@@ -326,11 +328,12 @@ def test_producer_status_round_trip_and_checks():
     ("pause", {}, "args.mode: missing"),
     ("resume", {"version": -1}, "args.version: expected an int >= 0"),
     ("resume", {"version": 1.0}, "args.version: expected an int >= 0"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_group_ids": []},
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_group_ids": [], "no_signal_group_ids": []},
      r"args.group_ids\[1\]: 'oops' is not of the form"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_group_ids": []},
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_group_ids": [], "no_signal_group_ids": []},
      "args.group_ids: duplicate group id 'e0-i1'"),
     ("commit", {"step": 1, "group_ids": []}, "args.dropped_group_ids: missing"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_group_ids": []}, "args.no_signal_group_ids: missing"),
     ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": []}}, "args.state.cursor: missing"),
     ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": [], "cursor": "3"}},
      "args.state.cursor: expected int"),

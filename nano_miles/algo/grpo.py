@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 ZERO_STD = 1e-7  # a group whose reward std is below this carries no signal: its advantages are 0
 
@@ -88,14 +89,94 @@ def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: l
     )
 
 
-def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor,
-                   attention_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(target_t | tokens_<=t) for every position, in fp32, as the engine computes them.
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Sample indices grouped into micro-batches of at most `budget` padded tokens (rows x longest).
 
-    The engine reports log_softmax(logits / T) of the un-truncated distribution (T < 1e-6 means
-    greedy, reported at T = 1), so the trainer divides by the same T before the softmax.
+    Longest first, so each micro-batch holds samples of similar length and little padding; a sample
+    longer than the budget is a micro-batch of its own. `budget` 0: one micro-batch of every sample,
+    in order (the whole batch at once). Deterministic: ties keep the samples' order.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    if budget <= 0:
+        return [list(range(len(lengths)))] if lengths else []
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        # sorted longest first: the first sample of a micro-batch sets its width
+        if current and lengths[current[0]] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+# fp32 logits held at once while scoring: 64 MiB. At a 152k vocabulary that is ~110 tokens per chunk;
+# at the small policy's 263 the whole batch is one chunk.
+LOGIT_CHUNK_ELEMENTS = 1 << 24
+
+
+def has_signal(rewards) -> bool:
+    """Whether a group's rewards differ enough to give non-zero advantages (see `group_advantages`)."""
+    return float(np.std(np.asarray(rewards, dtype=np.float64))) >= ZERO_STD
+
+
+def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: float, softcap: float | None,
+                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
+    if softcap:  # Gemma-style final soft-capping, which the model's own forward applies
+        logits = torch.tanh(logits / softcap) * softcap
+    logp_all = torch.log_softmax(logits / scale, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = torch.zeros_like(logp)
+    if with_entropy:
+        with torch.no_grad():  # a diagnostic: nothing is kept for the backward pass
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
+                 temperature: float = 1.0, positions: torch.Tensor | None = None,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t)) at every position, in fp32, as
+    the engine computes them; 0 off `positions` (a (B, T-1) bool mask; None = everywhere).
+
+    The engine reports log_softmax(logits / T) of the un-truncated distribution (T < 1e-6 means greedy,
+    reported at T = 1), so the trainer divides by the same T before the softmax.
+
+    Memory: the full-vocabulary logits of a whole batch never exist. The final hidden states are
+    taken at `positions` only, and the output head and log-softmax run over chunks of them
+    (LOGIT_CHUNK_ELEMENTS); with gradients on, each chunk is recomputed in the backward pass instead
+    of being kept, so one chunk's logits are alive at a time. Entropy costs no extra memory.
+    """
+    # Through the model's own forward (so FSDP's and other wrappers' hooks run), with the output head
+    # on the last position only: the head runs here, chunk by chunk, on the final hidden states.
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+                   logits_to_keep=1).hidden_states[-1]
+    if positions is None:
+        positions = torch.ones_like(targets, dtype=torch.bool)
+    rows, wanted = hidden[positions], targets[positions]
+    head = model.get_output_embeddings()
     scale = temperature if temperature >= 1e-6 else 1.0
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    recompute = torch.is_grad_enabled() and len(rows) > chunk
+    logps, entropies = [], []
+    for start in range(0, len(rows), chunk):
+        args = (head, rows[start:start + chunk], wanted[start:start + chunk], scale, softcap, with_entropy)
+        logp, entropy = (torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
+                         if recompute else _chunk_scores(*args))
+        logps.append(logp)
+        entropies.append(entropy)
+    out_logp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+    out_entropy = torch.zeros_like(out_logp)
+    if logps:
+        out_logp = out_logp.masked_scatter(positions, torch.cat(logps))
+        out_entropy = out_entropy.masked_scatter(positions, torch.cat(entropies))
+    return out_logp, out_entropy
+
+
+def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The log-probs of `token_scores`, without entropy."""
+    return token_scores(model, input_ids, targets, attention_mask, temperature, positions)[0]

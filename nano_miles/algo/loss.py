@@ -29,6 +29,7 @@ class LossOutput:
     dual_clip_fraction: float   # share of response tokens capped by the dual clip
     parity: float               # mean |log pi_theta - log pi_engine| on response tokens
     num_tokens: int
+    kl: float | None = None     # mean k3 estimate of KL(pi_theta || pi_ref) on response tokens, with ref_logp
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,9 @@ def truncated_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask
 def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, cfg: LossConfig = LossConfig(),
              engine_logp: torch.Tensor | None = None,
-             is_weights: torch.Tensor | None = None) -> LossOutput:
+             is_weights: torch.Tensor | None = None,
+             ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+             num_step_tokens: int | None = None) -> LossOutput:
     """Dual-clip PPO over (B, T) token tensors; `mask` is True on response tokens.
 
     rho = exp(clamp(where(mask, logp, old) - old, -20, 20))
@@ -57,6 +60,15 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     `old_logp` is the behaviour policy: the engine's logprobs, or the trainer's recomputed ones with
     `is_weights` (truncated importance sampling) correcting towards the engine's. `engine_logp`
     defaults to `old_logp` and only feeds the parity diagnostic.
+
+    The loss is a token mean over the whole step: the per-token losses are summed and divided by
+    `num_step_tokens`, the step's response tokens (default: this batch's). So micro-batches of one
+    step, each divided by the step's count, add up to exactly the gradient of the whole batch; a mean of
+    micro-batch means would weigh a short micro-batch's tokens more.
+
+    With `ref_logp` (the reference policy's logprobs) the k3 estimate of KL(pi_theta || pi_ref),
+    exp(ref - logp) - (ref - logp) - 1 per token (unbiased, never negative), is reported and, times
+    `kl_coef`, added to the loss.
     """
     mask = mask.bool()
     zeros = torch.zeros_like(old_logp)
@@ -73,11 +85,19 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     pg = torch.where(adv < 0, torch.minimum(pg, dual_cap), pg)
     if is_weights is not None:
         pg = pg * torch.where(mask, is_weights, torch.ones_like(is_weights))
-    loss = masked_mean(pg, mask)
+    denominator = num_step_tokens if num_step_tokens is not None else max(1, int(mask.sum()))
+    loss = torch.where(mask, pg, zeros).sum() / denominator
+    kl = None
+    if ref_logp is not None:
+        log_r = torch.clamp(torch.where(mask, ref_logp - logp, zeros), -20.0, 20.0)
+        k3 = torch.where(mask, torch.exp(log_r) - log_r - 1, zeros)
+        if kl_coef > 0:
+            loss = loss + kl_coef * k3.sum() / denominator
+        kl = float(masked_mean(k3.detach(), mask))
     with torch.no_grad():
         reference = old if engine_logp is None else torch.where(mask, engine_logp, zeros)
         clip_frac = masked_mean((clipped > unclipped).float(), mask)
         dual_frac = masked_mean(is_dual.float(), mask)
         parity = masked_mean((torch.where(mask, logp, reference) - reference).abs(), mask)
     return LossOutput(loss=loss, clip_fraction=float(clip_frac), dual_clip_fraction=float(dual_frac),
-                      parity=float(parity), num_tokens=int(mask.sum()))
+                      parity=float(parity), num_tokens=int(mask.sum()), kl=kl)

@@ -144,7 +144,16 @@ class TrainerMetrics(StageMetrics):
         self.update_seconds = Summary("nanomiles_weight_update_seconds", "Weight update time by part", ["part"],
                                       registry=r)
         self.trained_tokens = Counter("nanomiles_trained_tokens", "Response tokens trained on", registry=r)
-        self.train_rate = Gauge("nanomiles_train_tokens_per_second", "Trained tokens/s of the last step", registry=r)
+        self.train_rate = Gauge("nanomiles_train_tokens_per_second", "Prompt + response tokens through forward "
+                                "and backward per second, last step", registry=r)
+        self.lr = Gauge("nanomiles_learning_rate", "Learning rate of the last step", registry=r)
+        self.entropy = Gauge("nanomiles_entropy_mean", "Mean policy entropy per response token (nats), last step",
+                             registry=r)
+        self.kl = Gauge("nanomiles_kl_mean", "Mean k3 KL to the starting policy per response token, last step "
+                        "(trainer.kl_coef > 0)", registry=r)
+        self.micro_batches = Gauge("nanomiles_micro_batches", "Micro-batches of the last step", registry=r)
+        self.peak_memory = Gauge("nanomiles_peak_memory_bytes", "CUDA max allocated in the last step, or the "
+                                 "process's peak RSS on CPU", registry=r)
         self.reward = Gauge("nanomiles_reward_mean", "Mean reward of the last step's batch", registry=r)
         self.accuracy = Gauge("nanomiles_accuracy_ratio", "Share of correct samples in the last batch", registry=r)
         self.reward_parts = Gauge("nanomiles_reward_part_mean", "Mean of a reward part in the last batch "
@@ -169,9 +178,15 @@ class TrainerMetrics(StageMetrics):
         for part, ms in record.update_split_ms.items():
             self.update_seconds.labels(part).observe(ms / 1000)
         self.step_seconds.observe(record.step_s)
-        num_tokens, train_s = record.stats.num_tokens, record.phase_s.get("train", 0.0)
-        self.trained_tokens.inc(num_tokens)
-        self.train_rate.set(num_tokens / train_s if train_s > 0 else 0.0)
+        stats = record.stats
+        self.trained_tokens.inc(stats.num_tokens)
+        self.train_rate.set(stats.train_tokens_per_s)
+        self.lr.set(stats.lr)
+        self.entropy.set(stats.entropy)
+        if stats.kl is not None:
+            self.kl.set(stats.kl)
+        self.micro_batches.set(stats.num_micro_batches)
+        self.peak_memory.set(stats.peak_memory_mb * 2**20)
         self.reward.set(record.stats.reward)
         if record.stats.accuracy is not None:  # a reward function may have no accuracy part
             self.accuracy.set(record.stats.accuracy)

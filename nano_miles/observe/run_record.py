@@ -45,6 +45,12 @@ class StepStats:
     version_oldest: int           # oldest weight version a trained token came from
     num_samples: int
     num_tokens: int           # response tokens trained
+    lr: float                 # the learning rate of this step
+    entropy: float            # mean policy entropy per response token (nats)
+    num_micro_batches: int
+    peak_memory_mb: float     # CUDA: max allocated in the step; CPU: the process's peak RSS
+    train_tokens_per_s: float  # prompt + response tokens through forward and backward per second
+    kl: float | None = None   # mean k3 KL to the starting policy per response token (trainer.kl_coef > 0)
     update_ms: float = 0.0
     is_weight_mean: float | None = None     # truncated IS weights (only with recomputed pi_old)
     is_weight_max: float | None = None
@@ -52,7 +58,8 @@ class StepStats:
     reward_parts: dict = field(default_factory=dict)  # mean of every other part (e.g. math/accuracy)
 
     @classmethod
-    def from_groups(cls, groups, step: int, loss_out, grad_norm: float) -> "StepStats":
+    def from_groups(cls, groups, step: int, learned) -> "StepStats":
+        """The step's statistics from its groups and what the optimizer step did (`learner.LearnResult`)."""
         rewards = np.concatenate([g.rewards for g in groups])
         names = sorted({k for g in groups for k in g.reward_parts})
         parts = {k: float(np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups]).mean())
@@ -61,13 +68,17 @@ class StepStats:
         staleness = (step - 1) - oldest
         values, counts = np.unique(staleness, return_counts=True)
         return cls(reward=float(rewards.mean()), format=parts.pop("format", None),
-                   accuracy=parts.pop("accuracy", None), reward_parts=parts, pg_loss=float(loss_out.loss.detach()),
-                   clip_fraction=loss_out.clip_fraction, grad_norm=grad_norm, parity=loss_out.parity,
+                   accuracy=parts.pop("accuracy", None), reward_parts=parts, pg_loss=learned.loss,
+                   clip_fraction=learned.clip_fraction, grad_norm=learned.grad_norm, parity=learned.parity,
                    staleness_min=int(staleness.min()), staleness_max=int(staleness.max()),
                    staleness_mean=float(staleness.mean()),
                    staleness_hist={str(int(v)): int(c) for v, c in zip(values, counts)},
                    version_oldest=int(oldest.min()),
-                   num_samples=len(rewards), num_tokens=loss_out.num_tokens)
+                   num_samples=len(rewards), num_tokens=learned.num_tokens, lr=learned.lr,
+                   entropy=learned.entropy, num_micro_batches=learned.num_micro_batches,
+                   peak_memory_mb=learned.peak_memory_mb, train_tokens_per_s=learned.train_tokens_per_s,
+                   kl=learned.kl, is_weight_mean=learned.is_weight_mean, is_weight_max=learned.is_weight_max,
+                   is_weight_clipped=learned.is_weight_clipped)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,7 +145,10 @@ def format_step_line(r: dict, num_steps: int) -> str:
                      if r.get(key) is not None)  # parts a reward function without them does not have
     line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} {shares}"
             f"| pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
-            f"| gnorm {r['grad_norm']:.3f} | parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
+            f"| gnorm {r['grad_norm']:.3f} | lr {r['lr']:.1e} | ent {r['entropy']:.3f} "
+            + (f"| kl {r['kl']:.4f} " if r.get("kl") is not None else "")
+            + (f"| micro-batches {r['num_micro_batches']} " if r.get("num_micro_batches", 1) > 1 else "")
+            + f"| parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
             f"| stale {r['staleness_max']} (v{r['version_oldest']} -> v{r['step'] - 1}) "
             f"| queue {r.get('queue_depth', 0)} | step {r['step_s']:.2f}s")
     if r.get("eval_accuracy") is not None:

@@ -38,6 +38,8 @@ class ConfigError(UserError):
 
 DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
+TRAIN_DTYPES = ("float32", "bfloat16")  # the trainer's compute dtype; weights stay fp32 either way
+LR_SCHEDULES = ("constant", "cosine")
 
 
 class Section:
@@ -166,7 +168,10 @@ class RewardConfig(Section):
 class TrainerConfig(Section):
     num_steps: int = checked(240, at_least(1))
     batch_groups: int = checked(16, at_least(1))      # groups (prompts) per optimizer step
-    lr: float = checked(1e-4, above(0))
+    lr: float = checked(1e-4, above(0))               # the peak learning rate (after warm-up)
+    lr_warmup_steps: int = checked(0, at_least(0))    # linear warm-up from lr / N to lr over the first N steps
+    lr_schedule: str = checked("constant", one_of(*LR_SCHEDULES))  # after warm-up: constant, or cosine to lr_min
+    lr_min: float = checked(0.0, at_least(0))         # cosine: the learning rate at the last step
     weight_decay: float = checked(0.0, at_least(0))
     max_grad_norm: float = checked(1.0, above(0))
     eps_clip: float = checked(0.2, OPEN_FRACTION)     # ratio floor 1 - eps_clip
@@ -174,6 +179,13 @@ class TrainerConfig(Section):
     dual_clip_c: float = checked(3.0, above(1))       # for A < 0 the per-token loss is capped at -c * A
     recompute_old_logprobs: bool = checked(False, BOOL)  # pi_old from the trainer (+ truncated IS to the engine's)
     tis_clip: float = checked(2.0, above(0))          # truncation of the importance weight pi_old / pi_engine
+    kl_coef: float = checked(0.0, at_least(0))        # > 0: k3 KL penalty to the starting policy (kept in bf16)
+    skip_zero_variance: bool = checked(False, BOOL)   # consume groups whose rewards are all equal without
+                                                      # training them; the step waits for batch_groups with signal
+    micro_batch_tokens: int = checked(0, at_least(0))  # forward/backward in micro-batches of at most this many
+                                                      # (padded) tokens, one optimizer step; 0 = the whole batch
+    dtype: str = checked("float32", one_of(*TRAIN_DTYPES))  # bfloat16: autocast, fp32 weights and optimizer
+    gradient_checkpointing: bool = checked(False, BOOL)  # recompute activations in the backward pass
     endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
     device: str = checked("cpu", DEVICE)
     num_threads: int = checked(1, at_least(1))
@@ -185,6 +197,12 @@ class TrainerConfig(Section):
     control_timeout_s: float = checked(5.0, above(0))  # Lazy Pirate: per-try timeout on the control channel
     control_retries: int = checked(6, at_least(1))
     metrics_port: int = checked(9103, PORT_OR_FREE)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lr_min > self.lr:
+            raise ConfigError(f"trainer.lr_min ({self.lr_min:g}) is above trainer.lr ({self.lr:g}): the cosine "
+                              "schedule decays from lr down to lr_min")
 
 
 @dataclass

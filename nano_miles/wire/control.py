@@ -2,7 +2,7 @@
 
 Test: `pytest tests/test_wire.py`. Framing, limits and WireError are those of `codec.py`; control messages
 carry schema version `v` = CONTROL_SCHEMA_VERSION (3: every request names its run; `restore` carries the
-token count goodput divides by).
+token count goodput divides by; 4: `commit` and `restore` carry the groups consumed without signal).
 
 Every request carries the `run_id` of the trainer's run (kept in its checkpoints). A producer takes the
 run of the first `restore` it is sent and refuses requests of any other run, so a leftover trainer of an
@@ -19,12 +19,14 @@ unknown argument keys like unknown keys anywhere else):
                              requests (their groups are re-issued), "retract" frees their KV cache and
                              re-prefills them after resume, "in_place" keeps them where they are
     resume(version)          version >= 0: the weight version the engine now serves
-    commit(step, group_ids, dropped_group_ids)
+    commit(step, group_ids, dropped_group_ids, no_signal_group_ids)
                              step >= 0; group_ids: the groups trained at that step (now in the
                              trainer's model); dropped_group_ids: groups the trainer refused since its
-                             last commit (stale, from weights it no longer has): issue them again
+                             last commit (stale, from weights it no longer has): issue them again;
+                             no_signal_group_ids: groups it consumed without training since its last
+                             commit (trainer.skip_zero_variance: all rewards equal): never issue them again
     restore(state)           state: a RestoreState {step, version, committed_group_ids, cursor,
-                             num_generated_tokens}, the trainer's durable state after a restart on
+                             num_generated_tokens, no_signal_group_ids}, the trainer's durable state after a restart on
                              either side; cursor = one past the furthest dataset position (group id)
                              the trainer has trained
     status()
@@ -35,16 +37,17 @@ Every command is answered with the producer's `ProducerStatus` (its fields are c
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import msgpack
 
 from nano_miles.wire.codec import WireError, check_count, check_text_id, get, parse_group_id, unpack_message
 
-CONTROL_SCHEMA_VERSION = 3
+CONTROL_SCHEMA_VERSION = 4
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
+NO_SIGNAL = "no_signal"  # why a group was consumed untrained (all its rewards equal): ledger and drop counters
 
 
 def keeps_requests(pause_mode: str) -> bool:
@@ -148,6 +151,7 @@ class RestoreState:
     cursor: int                       # one past the furthest dataset position the trainer has trained
     num_generated_tokens: int = 0     # the producer's token count as the trainer last heard it: a
                                       # restarted producer counts on from it (goodput spans restarts)
+    no_signal_group_ids: list[str] = field(default_factory=list)  # consumed untrained: never issue again
 
 
 def _restore_state(value: object, where: str) -> RestoreState:
@@ -163,14 +167,17 @@ def _restore_state(value: object, where: str) -> RestoreState:
                                        prefix + "committed_group_ids"),
         cursor=check_count(get(value, "cursor", int, prefix), prefix + "cursor"),
         num_generated_tokens=check_count(get(value, "num_generated_tokens", int, prefix),
-                                         prefix + "num_generated_tokens"))
+                                         prefix + "num_generated_tokens"),
+        no_signal_group_ids=_group_ids(get(value, "no_signal_group_ids", list, prefix),
+                                       prefix + "no_signal_group_ids"))
 
 
 # Each command's arguments and the check that returns the argument's normalized value.
 COMMANDS: dict[str, dict[str, Callable[[object, str], Any]]] = {
     "pause": {"mode": _pause_mode},
     "resume": {"version": check_count},
-    "commit": {"step": check_count, "group_ids": _group_ids, "dropped_group_ids": _group_ids},
+    "commit": {"step": check_count, "group_ids": _group_ids, "dropped_group_ids": _group_ids,
+               "no_signal_group_ids": _group_ids},
     "restore": {"state": _restore_state},
     "status": {},
 }

@@ -24,6 +24,7 @@ import time
 from collections import deque
 
 from nano_miles.wire.codec import group_id_at, parse_group_id
+from nano_miles.wire.control import NO_SIGNAL
 
 
 class Ledger:
@@ -105,10 +106,14 @@ class Ledger:
             self._queue_again(group_id)
         return released
 
-    def restore(self, trained_ids: list[str], cursor: int, busy: frozenset | set = frozenset()) -> None:
-        """Adopt the trainer's truth: `trained_ids` are in its model, it trained nothing at or past
-        `cursor`, and it holds none of the groups sent to it (`busy` ones are still generating here)."""
+    def restore(self, trained_ids: list[str], cursor: int, busy: frozenset | set = frozenset(),
+                no_signal: list[str] = ()) -> None:
+        """Adopt the trainer's truth: `trained_ids` are in its model, `no_signal` ones it consumed
+        without training, it has nothing at or past `cursor`, and it holds none of the groups sent to
+        it (`busy` ones are still generating here)."""
         self.release(busy)
+        for group_id in no_signal:
+            self.dropped_for_good[group_id] = NO_SIGNAL
         trained = set(trained_ids)
         lost = self.trained - trained                 # trained, then lost with a trainer restart
         self.trained = trained

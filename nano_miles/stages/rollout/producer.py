@@ -33,7 +33,7 @@ from nano_miles.observe.metrics import RolloutMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.stages.rollout.ledger import Ledger
-from nano_miles.wire.control import ProducerStatus, RestoreState
+from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState
 from nano_miles.wire.data import RolloutGroup, Sample, encode_rollout
 from nano_miles.wire.sockets import ControlServer, make_socket
 
@@ -105,16 +105,21 @@ class RolloutProducer:
         return self.on_status()
 
     def on_restore(self, state: RestoreState) -> dict:
-        self.ledger.restore(state.committed_group_ids, state.cursor, busy=self.generating_ids())
+        self.ledger.restore(state.committed_group_ids, state.cursor, busy=self.generating_ids(),
+                            no_signal=state.no_signal_group_ids)
         self.state.version = state.version
         self.state.num_generated_tokens = max(self.state.num_generated_tokens, state.num_generated_tokens)
         log.info("restored from the trainer: step %d, version %d, %d groups trained, %d to issue again",
                  state.step, state.version, len(self.ledger.trained), self.ledger.num_pending_reissue)
         return self.on_status()
 
-    def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str]) -> dict:
+    def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str],
+                  no_signal_group_ids: list[str]) -> dict:
         self.ledger.on_trained(group_ids)
         self.ledger.on_dropped(dropped_group_ids)
+        for group_id in no_signal_group_ids:  # consumed by the trainer: out of the run, with why
+            self.ledger.on_dropped_for_good(group_id, NO_SIGNAL)
+            self.metrics.dropped_for_good.labels(NO_SIGNAL).inc()
         return self.on_status()
 
     def on_status(self) -> dict:

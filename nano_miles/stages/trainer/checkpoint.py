@@ -6,8 +6,9 @@ from them, `tests/test_checkpoint.py` damages them.
 A checkpoint is a directory `checkpoints/step_NNNNNN/` holding a complete Hugging Face model
 directory (config.json, model.safetensors, generation_config.json, the tokenizer files and chat
 template), so `from_pretrained` and `sglang.launch_server --model-path` take it as it is,
-`python -m nano_miles.export` copies it out without the trainer's files; then `trainer_state.pt` (optimizer state, step, weight version, data
-cursor, which groups each step trained, the run's identity and token counts) and, written last,
+`python -m nano_miles.export` copies it out without the trainer's files; then `trainer_state.pt` (the
+optimizer's and the learning-rate schedule's state, step, weight version, data cursor, which groups
+each step trained or skipped, the run's identity and token counts) and, written last,
 `manifest.json`: the size and SHA-256 of every other file. It is written under a `.tmp` name, every
 file and the directory are fsynced, and only then is it renamed into place.
 
@@ -46,6 +47,7 @@ class TrainerState:
     version: int = 0
     cursor: int = 0                                             # one past the furthest group trained
     trained_by_step: dict[int, list[str]] = field(default_factory=dict)
+    no_signal_ids: set[str] = field(default_factory=set)        # consumed untrained: all rewards equal
     evals: list[list] = field(default_factory=list)             # [step, held-out accuracy, elapsed s]
     run_id: str = ""                                            # the run these steps belong to
     started_at: float = 0.0                                     # unix time the run started
@@ -96,15 +98,17 @@ def verify(directory: Path, *, checksums: bool = True) -> None:
             raise DamagedCheckpoint(f"{directory.name}: {name} does not match its SHA-256 in the manifest")
 
 
-def save_checkpoint(root: Path, model, tokenizer, optimizer, state: TrainerState) -> Path:
+def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState) -> Path:
+    """`learner`: what holds the optimizer and the schedule (`learner.Learner`; its `state_dict`)."""
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
-    torch.save({"optimizer": optimizer.state_dict(), "step": state.step, "version": state.version,
-                "cursor": state.cursor, "trained_by_step": state.trained_by_step, "evals": state.evals,
+    torch.save({**learner.state_dict(), "step": state.step, "version": state.version,
+                "cursor": state.cursor, "trained_by_step": state.trained_by_step,
+                "no_signal_ids": sorted(state.no_signal_ids), "evals": state.evals,
                 "run_id": state.run_id, "started_at": state.started_at,
                 "num_trained_tokens": state.num_trained_tokens,
                 "num_generated_tokens": state.num_generated_tokens}, tmp / STATE_FILE)
@@ -142,12 +146,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return complete
 
 
-def load_newest(root: Path, model, optimizer) -> tuple[Path, TrainerState] | None:
+def load_newest(root: Path, model, learner) -> tuple[Path, TrainerState] | None:
     """Load the newest checkpoint that verifies in full; damaged ones are skipped with a warning."""
     for path in reversed(_checkpoint_dirs(root)):
         try:
             verify(path)
-            return path, load_checkpoint(path, model, optimizer)
+            return path, load_checkpoint(path, model, learner)
         except (DamagedCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
             log.warning("skipping checkpoint %s: %s", path, e)
     return None
@@ -172,19 +176,20 @@ def find_checkpoint(path: Path, what: str) -> Path:
     raise UserError(f"{what} {str(path)!r} holds no checkpoint that verifies")
 
 
-def load_resume_from(path: Path, model, optimizer) -> tuple[Path, TrainerState]:
+def load_resume_from(path: Path, model, learner) -> tuple[Path, TrainerState]:
     """The checkpoint `trainer.resume_from` names, loaded (see `find_checkpoint`)."""
     found = find_checkpoint(path, "trainer.resume_from")
-    return found, load_checkpoint(found, model, optimizer)
+    return found, load_checkpoint(found, model, learner)
 
 
-def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
-    """Load weights and optimizer state into the given objects; return the counters."""
+def load_checkpoint(path: Path, model, learner) -> TrainerState:
+    """Load weights, optimizer and schedule state into the given objects; return the counters."""
     load_safetensors_dir(model, str(path))
     saved = torch.load(path / STATE_FILE, weights_only=True)
-    optimizer.load_state_dict(saved["optimizer"])
+    learner.load_state_dict(saved)
     return TrainerState(step=saved["step"], version=saved["version"], cursor=saved["cursor"],
                         trained_by_step={int(k): list(v) for k, v in saved["trained_by_step"].items()},
+                        no_signal_ids=set(saved["no_signal_ids"]),
                         evals=[list(e) for e in saved["evals"]], run_id=saved["run_id"],
                         started_at=float(saved["started_at"]), num_trained_tokens=saved["num_trained_tokens"],
                         num_generated_tokens=saved["num_generated_tokens"])

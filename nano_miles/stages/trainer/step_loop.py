@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from nano_miles.algo.grpo import assemble_batch, token_logprobs
-from nano_miles.algo.loss import LossConfig, ppo_loss, truncated_is_weights
+from nano_miles.algo.grpo import has_signal, token_logprobs
 from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
                                            step_phases, summarize)
@@ -30,10 +29,11 @@ from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.run.identity import ensure_run_identity, write_run_identity
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
+from nano_miles.stages.trainer.learner import Learner, Sample
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.tasks.prompts import make_decoder
 from nano_miles.wire.codec import WireError, position_of
-from nano_miles.wire.control import RestoreState
+from nano_miles.wire.control import NO_SIGNAL, RestoreState
 from nano_miles.wire.data import ScoredGroup, decode_scored
 from nano_miles.wire.sockets import make_socket
 
@@ -46,10 +46,9 @@ CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the
 class Trainer:
     def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, num_items: int):
         self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
+        self.learner = Learner(t, model, pad_id, cfg.rollout.temperature)  # before a checkpoint is loaded
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
         self.max_staleness = cfg.run.effective_max_staleness
         self.run_dir = cfg.run_dir
@@ -61,6 +60,7 @@ class Trainer:
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
+        self.no_signal_ids: list[str] = []  # consumed untrained since the last commit; never issued again
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
         self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
@@ -83,8 +83,7 @@ class Trainer:
             self.record.write_rollouts(self.step, groups)
             self.record.write_samples(self.step, groups)
             stats = self.optimize(groups)
-            self.peers.request("commit", step=self.step, group_ids=self.state.trained_by_step[self.step],
-                               dropped_group_ids=self.take_dropped())
+            self.commit(self.step, self.state.trained_by_step[self.step])
             # after the last step the producer is not resumed: nothing more will be trained
             stats.update_ms = 1000 * self.peers.update_weights(
                 self.model, self.step, tell_producer=self.step < self.cfg.trainer.num_steps)
@@ -103,7 +102,7 @@ class Trainer:
             self.metrics.step_done(record)
             self.record.write_step(record)
             if self.is_due(self.cfg.trainer.checkpoint_every):
-                save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.optimizer, self.state)
+                save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state)
         return self.finish(engine_busy_start)
 
     def is_due(self, every: int) -> bool:
@@ -114,9 +113,9 @@ class Trainer:
         """The newest checkpoint of this run directory that verifies; else `trainer.resume_from`
         (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
         start. So a restarted trainer always picks up its own newest step, never resume_from again."""
-        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.optimizer)
+        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner)
         if loaded is None and self.cfg.trainer.resume_from:
-            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.optimizer)
+            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner)
             write_run_identity(self.run_dir, loaded[1].run_id, loaded[1].started_at)
             log.warning("continuing run %s from %s (trainer.resume_from)", loaded[1].run_id, loaded[0])
         if loaded is not None:
@@ -144,11 +143,13 @@ class Trainer:
         """What `restore` gives a (re)started producer: the checkpointed truth of this trainer."""
         return RestoreState(step=self.step, version=self.state.version,
                             committed_group_ids=sorted(self.trained_ids), cursor=self.state.cursor,
-                            num_generated_tokens=self.state.num_generated_tokens)
+                            num_generated_tokens=self.state.num_generated_tokens,
+                            no_signal_group_ids=sorted(self.state.no_signal_ids))
 
     def finish(self, engine_busy_start: float | None) -> dict:
         status = self.peers.request("status")
-        report = ledger_report(self.state, status.outstanding_group_ids, self.num_items, status.dropped_for_good)
+        dropped_for_good = {**dict.fromkeys(self.state.no_signal_ids, NO_SIGNAL), **status.dropped_for_good}
+        report = ledger_report(self.state, status.outstanding_group_ids, self.num_items, dropped_for_good)
         steps = self.record.steps(self.step)
         summary = summarize(steps, self.state.evals)
         wall_s = self.elapsed_s()
@@ -175,6 +176,10 @@ class Trainer:
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
             liveness.beat("scored groups")
+            if self.dropped_ids or self.no_signal_ids:
+                # report at once: until it hears, the producer counts them against its version gate,
+                # and in sync mode it issues no replacement
+                self.commit(max(0, self.step - 1), [])
             if not self.pull.poll(1000, zmq.POLLIN):
                 waited = time.perf_counter() - started
                 if waited > PULL_TIMEOUT_S:
@@ -185,9 +190,6 @@ class Trainer:
                     self.peers.check_peers(self.model, self.state.version)
                     last_check = time.perf_counter()
                 continue
-            if self.dropped_ids:  # report refusals now: in sync mode their replacements are awaited
-                self.peers.request("commit", step=max(0, self.step - 1), group_ids=[],
-                                   dropped_group_ids=self.take_dropped())
             data = self.pull.recv()
             try:
                 scored = decode_scored(data)
@@ -207,12 +209,18 @@ class Trainer:
             self.received_times.append((stamps.get("issued", 0.0), stamps.get("generated", 0.0), time.time()))
             newest = max(int(s.versions[-1]) for s in group.samples)
             staleness = (self.step - 1) - group.oldest_version
-            if group.group_id in self.trained_ids or group.group_id in batch_ids:
-                self.count_drop("duplicate")  # trained already: nothing to re-issue
+            if group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids \
+                    or group.group_id in batch_ids:
+                self.count_drop("duplicate")  # consumed already: nothing to re-issue
             elif newest > self.step - 1:
                 self.count_drop("future_version", group.group_id)  # weights rolled back by a restart
             elif staleness > self.max_staleness:
                 self.count_drop("stale", group.group_id)
+            elif self.cfg.trainer.skip_zero_variance and not has_signal(scored.rewards):
+                self.count_drop(NO_SIGNAL)  # consumed: the ledger keeps it as such, never issued again
+                self.state.no_signal_ids.add(group.group_id)
+                self.no_signal_ids.append(group.group_id)
+                self.advance_cursor([group.group_id])
             else:
                 self.metrics.staleness.observe(staleness)
                 batch.append(scored)
@@ -223,40 +231,18 @@ class Trainer:
         return batch, time.perf_counter() - started
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
-        prompts, responses, logprobs, advantages = [], [], [], []
-        for sg in groups:
-            for sample, adv in zip(sg.group.samples, sg.advantages):
-                prompts.append(sg.group.prompt_tokens)
-                responses.append(sample.response_tokens)
-                logprobs.append(sample.logprobs)
-                advantages.append(float(adv))
-        batch = assemble_batch(prompts, responses, logprobs, advantages, self.pad_id).to(self.cfg.trainer.device)
-        self.model.train()
-        args = (batch.input_ids, batch.targets, batch.attention_mask, self.cfg.rollout.temperature)
-        old_logp, is_weights = batch.old_logprobs, None
-        if self.cfg.trainer.recompute_old_logprobs:
-            with torch.no_grad():
-                old_logp = token_logprobs(self.model, *args)
-            is_weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask,
-                                              self.cfg.trainer.tis_clip)
-        logp = token_logprobs(self.model, *args)
-        out = ppo_loss(logp, old_logp, batch.advantages, batch.loss_mask, self.loss_cfg,
-                       engine_logp=batch.old_logprobs, is_weights=is_weights)
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.max_grad_norm)
-        self.optimizer.step()
+        samples = [Sample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(adv))
+                   for sg in groups for sample, adv in zip(sg.group.samples, sg.advantages)]
+        result = self.learner.step(samples)
         ids = [sg.group.group_id for sg in groups]
         self.state.trained_by_step[self.step] = ids
         self.trained_ids.update(ids)
-        self.state.cursor = max([self.state.cursor] + [position_of(g, self.num_items) + 1 for g in ids])
-        self.state.num_trained_tokens += out.num_tokens
-        stats = StepStats.from_groups(groups, self.step, out, float(grad_norm))
-        if is_weights is not None:
-            w = is_weights[batch.loss_mask]
-            stats.is_weight_mean, stats.is_weight_max = float(w.mean()), float(w.max())
-            stats.is_weight_clipped = float((w >= self.cfg.trainer.tis_clip - 1e-6).float().mean())
-        return stats
+        self.advance_cursor(ids)
+        self.state.num_trained_tokens += result.num_tokens
+        return StepStats.from_groups(groups, self.step, result)
+
+    def advance_cursor(self, group_ids: list[str]) -> None:
+        self.state.cursor = max([self.state.cursor] + [position_of(g, self.num_items) + 1 for g in group_ids])
 
     def evaluate(self) -> list:
         """[step, held-out greedy accuracy, seconds since the run started, mean reward, pass@k]."""
@@ -296,7 +282,10 @@ class Trainer:
         if group_id is not None:
             self.dropped_ids.append(group_id)
 
-    def take_dropped(self) -> list[str]:
-        ids = sorted(set(self.dropped_ids) - self.trained_ids)
-        self.dropped_ids = []
-        return ids
+    def commit(self, step: int, group_ids: list[str]) -> None:
+        """Tell the producer what step `step` trained, and what was refused or consumed untrained since
+        the last commit."""
+        dropped = sorted(set(self.dropped_ids) - self.trained_ids)
+        no_signal, self.dropped_ids, self.no_signal_ids = sorted(self.no_signal_ids), [], []
+        self.peers.request("commit", step=step, group_ids=group_ids, dropped_group_ids=dropped,
+                           no_signal_group_ids=no_signal)
