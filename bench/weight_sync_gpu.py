@@ -28,13 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.model_shapes import QWEN25_05B  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
-# Qwen2.5-0.5B-Instruct's config.json, the values that set the tensors' shapes.
-QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=32768, rms_norm_eps=1e-6, eos_token_id=151645,
-                  bos_token_id=151643)
 PATHS = ["bucket-1", "bucket-512MiB", "flat", "one-tensor", "disk"]
 TARGET_MS = 8.0   # p50 of the flat path
 TARGET_PATH = "flat"
