@@ -149,6 +149,8 @@ CLAIMS = [
       F("learning_word_problems.json", "config", "task", "num_test"),
       F("learning_word_problems.json", "eval_accuracy_start", fmt=pct(1)),
       F("learning_word_problems.json", "eval_accuracy_max", fmt=pct(1))),
+    C(README, "responses at the Qwen2.5-0.5B shape peaks at {} GB in bf16 with checkpointing",
+      F("gpu/trainer_memory_cuda.json", "verdicts", 0, "measured", fmt=num(1))),
     C(README, "(a {} M-parameter Qwen2 shipped in", F(WS_CPU, {"shape": "policy"}, "num_params",
                                                     fmt=lambda v: f"{v / 1e6:.1f}")),
     C(README, "that policy, shipped: a {} M-parameter Qwen2 and its tokenizer",

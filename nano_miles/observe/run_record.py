@@ -48,7 +48,7 @@ class StepStats:
     lr: float                 # the learning rate of this step
     entropy: float            # mean policy entropy per response token (nats)
     num_micro_batches: int
-    peak_memory_mb: float     # CUDA: max allocated in the step; CPU: the process's peak RSS
+    peak_memory_mb: float     # MiB; CUDA: max allocated in the step; CPU: the process's peak RSS
     train_tokens_per_s: float  # prompt + response tokens through forward and backward per second
     kl: float | None = None   # mean k3 KL to the starting policy per response token (trainer.kl_coef > 0)
     update_ms: float = 0.0

@@ -63,7 +63,7 @@ class LearnResult:
     entropy: float                 # mean entropy of the policy per response token (nats)
     kl: float | None               # mean k3 KL to the reference policy per response token (kl_coef > 0)
     num_micro_batches: int
-    peak_memory_mb: float          # CUDA: max allocated during the step; CPU: the process's peak RSS
+    peak_memory_mb: float          # MiB; CUDA: max allocated during the step; CPU: the process's peak RSS
     train_tokens_per_s: float      # prompt + response tokens through forward and backward, per second
     is_weight_mean: float | None = None   # truncated IS weights (recomputed pi_old only)
     is_weight_max: float | None = None
