@@ -14,7 +14,7 @@ SHORT = ["--trainer.num_steps=4", "--trainer.batch_groups=4", "--rollout.group_s
          "--metrics.save_rollouts=true", "--metrics.plots=false"]
 # what measures time or samples a moving counter, not what the run computed
 TIMING_KEYS = {"wait_s", "update_ms", "update_split_ms", "queue_depth", "goodput", "step_s", "elapsed_s",
-               "eval_s", "phase_s", "time"}
+               "eval_s", "phase_s", "time", "train_tokens_per_s", "peak_memory_mb"}
 
 
 @pytest.fixture
