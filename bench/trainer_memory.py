@@ -37,7 +37,6 @@ from harness.model_shapes import QWEN25_05B  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-from nano_miles.algo.grpo import LOGIT_CHUNK_ELEMENTS as CHUNK_ELEMENTS  # noqa: E402  (torch, not the heavy part)
 TARGET_GB, TARGET_MFU = 40.0, 25.0
 # dense peak FLOP/s by (GPU name part, dtype): the H200 has the H100 SXM's compute
 PEAK_FLOPS = {("H200", "bfloat16"): 989e12, ("H200", "float32"): 67e12,
@@ -109,7 +108,6 @@ def measure(case: Case, device: str) -> dict:
     from nano_miles.algo import grpo
     from nano_miles.run.config import TrainerConfig
     from nano_miles.stages.trainer.learner import Learner, Sample
-    grpo.LOGIT_CHUNK_ELEMENTS = CHUNK_ELEMENTS if case.chunked else 1 << 62  # cases share a process on a GPU
     torch.set_num_threads(1)  # the trainer's default trainer.num_threads
     model = make_model(device)
     vocab = model.config.vocab_size
@@ -120,6 +118,9 @@ def measure(case: Case, device: str) -> dict:
     cfg = TrainerConfig(lr=1e-6, micro_batch_tokens=case.budget, dtype=case.dtype,
                         gradient_checkpointing=case.checkpointing)
     row = {**asdict(case), "label": case.label}
+    chunk_elements = grpo.LOGIT_CHUNK_ELEMENTS
+    if not case.chunked:  # one chunk: every response token's logits at once
+        grpo.LOGIT_CHUNK_ELEMENTS = 1 << 62
     try:
         learner = Learner(cfg, model, pad_id=0, temperature=1.0)
         learner.step(samples)  # warm-up: kernels, allocator, AdamW state
@@ -132,6 +133,8 @@ def measure(case: Case, device: str) -> dict:
         step_s = time.perf_counter() - started
     except torch.OutOfMemoryError:
         return {**row, "oom": True}
+    finally:  # the GPU cases share one process
+        grpo.LOGIT_CHUNK_ELEMENTS = chunk_elements
     row.update(oom=False, peak_mb=result.peak_memory_mb, step_s=step_s, num_micro_batches=result.num_micro_batches,
                train_tokens_per_s=case.samples * (case.prompt + case.response - 1) / step_s)
     if device != "cpu":

@@ -117,11 +117,6 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
-def has_signal(rewards) -> bool:
-    """Whether a group's rewards differ enough to give non-zero advantages (see `group_advantages`)."""
-    return float(np.std(np.asarray(rewards, dtype=np.float64))) >= ZERO_STD
-
-
 def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: float, softcap: float | None,
                   entropy: list | None) -> torch.Tensor:
     """Log-probs of `targets` from one chunk of final hidden states; the chunk's entropy is appended to
@@ -141,9 +136,10 @@ def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: floa
 
 def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float = 1.0, positions: torch.Tensor | None = None,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t)) at every position, in fp32, as
-    the engine computes them; 0 off `positions` (a (B, T-1) bool mask; None = everywhere).
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t) or None without `with_entropy`)
+    at every position, in fp32, as the engine computes them; 0 off `positions` (a (B, T-1) bool mask;
+    None = everywhere).
 
     The engine reports log_softmax(logits / T) of the un-truncated distribution (T < 1e-6 means greedy,
     reported at T = 1), so the trainer divides by the same T before the softmax.
@@ -171,13 +167,12 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
         args = (head, rows[start:start + chunk], wanted[start:start + chunk], scale, softcap, entropy)
         logps.append(torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
                      if recompute else _chunk_scores(*args))
-        entropies += entropy or [torch.zeros_like(logps[-1])]
-    out_logp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
-    out_entropy = torch.zeros_like(out_logp)
-    if logps:
-        out_logp = out_logp.masked_scatter(positions, torch.cat(logps))
-        out_entropy = out_entropy.masked_scatter(positions, torch.cat(entropies).detach())
-    return out_logp, out_entropy
+        entropies += entropy or []
+
+    def spread(values: list[torch.Tensor]) -> torch.Tensor:  # back to (B, T-1), 0 off `positions`
+        out = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        return out.masked_scatter(positions, torch.cat(values)) if values else out
+    return spread(logps), spread(entropies) if with_entropy else None
 
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,

@@ -113,7 +113,7 @@ class Ledger:
         it (`busy` ones are still generating here)."""
         self.release(busy)
         for group_id in no_signal:
-            self.dropped_for_good[group_id] = NO_SIGNAL
+            self.on_dropped_for_good(group_id, NO_SIGNAL)
         trained = set(trained_ids)
         lost = self.trained - trained                 # trained, then lost with a trainer restart
         self.trained = trained

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from nano_miles.algo.grpo import has_signal, token_logprobs
+from nano_miles.algo.grpo import token_logprobs
 from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
                                            step_phases, summarize)
@@ -60,7 +60,7 @@ class Trainer:
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
-        self.no_signal_ids: list[str] = []  # consumed untrained since the last commit; never issued again
+        self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
         self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
@@ -176,7 +176,7 @@ class Trainer:
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
             liveness.beat("scored groups")
-            if self.dropped_ids or self.no_signal_ids:
+            if self.dropped_ids or self.unreported_no_signal:
                 # report at once: until it hears, the producer counts them against its version gate,
                 # and in sync mode it issues no replacement
                 self.commit(max(0, self.step - 1), [])
@@ -216,10 +216,12 @@ class Trainer:
                 self.count_drop("future_version", group.group_id)  # weights rolled back by a restart
             elif staleness > self.max_staleness:
                 self.count_drop("stale", group.group_id)
-            elif self.cfg.trainer.skip_zero_variance and not has_signal(scored.rewards):
-                self.count_drop(NO_SIGNAL)  # consumed: the ledger keeps it as such, never issued again
+            elif self.cfg.trainer.skip_zero_variance and not scored.advantages.any():
+                # all advantages 0 (rewards all equal, `group_advantages`): nothing to learn from.
+                # Consumed: the ledger keeps it as such, and it is never issued again
+                self.count_drop(NO_SIGNAL)
                 self.state.no_signal_ids.add(group.group_id)
-                self.no_signal_ids.append(group.group_id)
+                self.unreported_no_signal.append(group.group_id)
                 self.advance_cursor([group.group_id])
             else:
                 self.metrics.staleness.observe(staleness)
@@ -286,6 +288,6 @@ class Trainer:
         """Tell the producer what step `step` trained, and what was refused or consumed untrained since
         the last commit."""
         dropped = sorted(set(self.dropped_ids) - self.trained_ids)
-        no_signal, self.dropped_ids, self.no_signal_ids = sorted(self.no_signal_ids), [], []
+        no_signal, self.dropped_ids, self.unreported_no_signal = sorted(self.unreported_no_signal), [], []
         self.peers.request("commit", step=step, group_ids=group_ids, dropped_group_ids=dropped,
                            no_signal_group_ids=no_signal)
