@@ -13,6 +13,7 @@ from nano_miles.engine.client import EngineClient
 from nano_miles.observe.run_record import ledger_report
 from nano_miles.run.config import load_config
 from nano_miles.stages.rollout.producer import RolloutProducer
+from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, decode_reply, encode_reply
 
 
 def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
@@ -55,3 +56,30 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
     report = ledger_report(state, [], 5, status["dropped_for_good"])
     assert report["prompts"]["e0-i0"] == "dropped: engine_http_400"
     assert report["num_dropped"] == 1 and report["num_lost"] == 0 and report["num_trained_once"] == 3
+
+
+def test_no_signal_groups_stay_out_of_the_run_and_out_of_the_status(engine_url, tmp_path):
+    # A long run of dynamic sampling skips thousands of groups; the trainer keeps their ids, so the
+    # status the producer sends back on every commit must not grow with them.
+    port = engine_url.rsplit(":", 1)[1]
+    cfg = load_config(overrides=[f"--engine.port={port}", f"--reward.endpoint=ipc://{tmp_path}/reward.sock",
+                                 f"--rollout.control_endpoint=ipc://{tmp_path}/control.sock",
+                                 "--rollout.metrics_port=0", "--task.num_train=2000"])
+    problems = [SimpleNamespace(answer=str(i)) for i in range(2000)]
+    ctx = zmq.Context()
+    producer = RolloutProducer(cfg, ctx, problems, [[5, 6]] * 2000, stop_token_ids=[])
+    try:
+        issued = [producer.ledger.next_group()[0] for _ in range(1000)]
+        skipped = issued[::2]
+        status = producer.on_commit(1, issued[1::2], [], skipped)
+        reply = decode_reply(encode_reply("r1", "inc", status))
+        assert ProducerStatus.from_result(reply.result).dropped_for_good == {}
+        assert producer.ledger.dropped_for_good == dict.fromkeys(skipped, NO_SIGNAL)
+        assert producer.metrics.registry.get_sample_value("nanomiles_dropped_for_good_groups_total",
+                                                          {"reason": NO_SIGNAL}) == len(skipped)
+        # after a restart the producer learns them from the trainer and never issues them again
+        producer.ledger.restore(issued[1::2], cursor=1000, no_signal=skipped)
+        assert {producer.ledger.next_group()[0] for _ in range(1000)}.isdisjoint(issued)
+    finally:
+        producer.close()
+        ctx.term()

@@ -4,6 +4,7 @@ Run: `pytest tests/test_wire.py`. Regenerate the golden files only for a deliber
 also bumps `v`): `python tests/test_wire.py regen-golden`.
 """
 
+import dataclasses
 import struct
 import sys
 import threading
@@ -16,7 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nano_miles.wire.codec import (MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE, WireError,
+from nano_miles.wire.codec import (MAX_MAP_ITEMS, MAX_MESSAGE_BYTES, MAX_SAMPLES_PER_GROUP, MAX_TOKENS_PER_SEQUENCE, WireError,
                                    make_group_id, parse_group_id)
 from nano_miles.wire.control import (CONTROL_SCHEMA_VERSION, ControlReply, ControlRequest, ProducerStatus,
                                      RestoreState, decode_reply, decode_request, encode_reply, encode_request)
@@ -321,6 +322,14 @@ def test_producer_status_round_trip_and_checks():
     with pytest.raises(WireError, match="result.waiting_for: missing"):
         ProducerStatus.from_result({k: v for k, v in status.to_result().items() if k != "waiting_for"})
 
+
+
+def test_status_with_more_drops_than_a_plain_map_may_hold():
+    # maps keyed by group id are bounded like lists of ids, not by the 256 items of metadata maps
+    drops = {f"e0-i{i}": "engine_http_400" for i in range(MAX_MAP_ITEMS * 4)}
+    status = dataclasses.replace(fixed_status(), dropped_for_good=drops)
+    reply = decode_reply(encode_reply("r1", "inc", status.to_result()))
+    assert ProducerStatus.from_result(reply.result).dropped_for_good == drops
 
 @pytest.mark.parametrize("cmd,args,match", [
     ("reboot", {}, "cmd: unknown command 'reboot' \\(known: pause, resume"),

@@ -75,7 +75,7 @@ def position_of(group_id: str, num_items: int) -> int:
 
 
 def unpack_message(data: object, kinds: tuple[str, ...], *, max_array_items: int,
-                   versions: tuple[int, ...] = KNOWN_SCHEMA_VERSIONS) -> dict:
+                   max_map_items: int = MAX_MAP_ITEMS, versions: tuple[int, ...] = KNOWN_SCHEMA_VERSIONS) -> dict:
     """Size-check, unpack and check `v` and `kind` of one message; the map, or WireError."""
     try:
         num_bytes = memoryview(data).nbytes
@@ -86,7 +86,7 @@ def unpack_message(data: object, kinds: tuple[str, ...], *, max_array_items: int
     try:
         m = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0,
                             max_str_len=MAX_STR_BYTES, max_bin_len=4 * MAX_TOKENS_PER_SEQUENCE,
-                            max_array_len=max_array_items, max_map_len=MAX_MAP_ITEMS)
+                            max_array_len=max_array_items, max_map_len=max_map_items)
     except (ValueError, BufferError) as e:  # every msgpack unpack error is a ValueError subclass
         raise WireError(f"message: not a valid msgpack message ({type(e).__name__}: {e})") from e
     if not isinstance(m, dict):

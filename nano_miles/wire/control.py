@@ -57,7 +57,8 @@ def keeps_requests(pause_mode: str) -> bool:
     return pause_mode != "abort"
 
 
-MAX_GROUP_IDS = 1 << 20     # ids in one commit or restore: a whole epoch of a large dataset
+MAX_GROUP_IDS = 1 << 20     # ids in one commit, restore or status (lists, or maps keyed by id): a whole epoch
+                            # of a large dataset
 MAX_RESULT_DEPTH = 8        # nesting of a reply's result
 
 
@@ -92,7 +93,8 @@ class ProducerStatus:
     num_reissued: int             # groups put back in line (lease expired, dropped, rolled back)
     num_inflight: int             # groups being generated now
     outstanding_group_ids: list[str]   # issued, not yet trained or dropped (inflight ones included)
-    dropped_for_good: dict[str, str]   # group id -> why the producer gave up on it
+    dropped_for_good: dict[str, str]   # group id -> why the producer gave up on it (no_signal groups left out:
+                                       # the trainer decided those and keeps them)
 
     @property
     def num_outstanding(self) -> int:
@@ -232,7 +234,8 @@ def encode_request(cmd: str, req_id: str, run_id: str, **args: Any) -> bytes:
 
 def decode_request(data: bytes | bytearray | memoryview) -> ControlRequest:
     """The ControlRequest in one `kind="request"` message; WireError naming the field otherwise."""
-    m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, versions=(CONTROL_SCHEMA_VERSION,))
+    m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, max_map_items=MAX_GROUP_IDS,
+                       versions=(CONTROL_SCHEMA_VERSION,))
     cmd = get(m, "cmd", str, "")
     req_id = check_text_id(get(m, "req_id", str, ""), "req_id")
     run_id = check_text_id(get(m, "run_id", str, ""), "run_id")
@@ -256,7 +259,8 @@ def encode_reply(req_id: str, incarnation: str, result: dict[str, Any] | None = 
 
 def decode_reply(data: bytes | bytearray | memoryview) -> ControlReply:
     """The ControlReply in one `kind="reply"` message; WireError naming the field otherwise."""
-    m = unpack_message(data, ("reply",), max_array_items=MAX_GROUP_IDS, versions=(CONTROL_SCHEMA_VERSION,))
+    m = unpack_message(data, ("reply",), max_array_items=MAX_GROUP_IDS, max_map_items=MAX_GROUP_IDS,
+                       versions=(CONTROL_SCHEMA_VERSION,))
     ok = get(m, "ok", bool, "")
     error = get(m, "error", str, "") if "error" in m or not ok else ""
     if ok == bool(error):

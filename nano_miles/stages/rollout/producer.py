@@ -137,7 +137,8 @@ class RolloutProducer:
             num_generated_tokens=s.num_generated_tokens, num_resumed_samples=s.num_resumed_samples,
             num_failed=s.num_failed, num_reissued=self.ledger.num_reissued, num_inflight=len(s.inflight),
             outstanding_group_ids=sorted(self.ledger.outstanding),
-            dropped_for_good=dict(self.ledger.dropped_for_good)).to_result()
+            dropped_for_good={g: why for g, why in self.ledger.dropped_for_good.items() if why != NO_SIGNAL},
+        ).to_result()
 
     def generating_ids(self) -> set[str]:
         """Groups still here: being generated or waiting in the outbox for the reward stage."""
