@@ -1,13 +1,14 @@
 """How much the tests' learning runs gain over repeated seeds: the margins the tests assert.
 
-Run: python bench/learning_seeds.py [--seeds=0,1,2,3,4] [--configs=sync,async]
+Run: python bench/learning_seeds.py [--seeds=0,1,2,3,4] [--configs=sync,async] [--jobs=1]
 
 Each config of `harness/learning_runs.py` (the runs of tests/test_pipeline.py and tests/test_async.py)
 runs under the real supervisord once per seed (`--run.seed`). Prints per seed the held-out accuracy
 at start and best, and the training reward early and late, then the smallest gain of each config;
 writes bench/results/learning_seeds.json, from which the tests take half the smallest gain as their
 margin. Target: every seed gains at least 0.005 (one problem in 200; a reward of 0.005), or the
-tests have nothing to assert.
+tests have nothing to assert. `--jobs=N` runs N pipelines at once (each takes about 2 cores); the
+gains do not depend on it, the wall times do.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -48,19 +50,23 @@ def main(argv: list[str]) -> int:
     args = dict(a.removeprefix("--").split("=", 1) for a in argv)
     seeds = [int(s) for s in args.pop("seeds", "0,1,2,3,4").split(",")]
     configs = args.pop("configs", ",".join(CONFIGS)).split(",")
-    if args or any(c not in CONFIGS for c in configs):
-        print(f"usage: --seeds=0,1,... --configs={','.join(CONFIGS)}", file=sys.stderr)
+    jobs = args.pop("jobs", "1")
+    if args or any(c not in CONFIGS for c in configs) or not jobs.isdigit() or int(jobs) < 1:
+        print(f"usage: --seeds=0,1,... --configs={','.join(CONFIGS)} --jobs=N", file=sys.stderr)
         return 2
     result, all_verdicts = {"seeds": seeds, "configs": {}}, []
-    with tempfile.TemporaryDirectory() as tmp:
+
+    def run_and_show(config: str, seed: int, root: Path) -> dict:
+        print(f"{config} seed {seed} ...", flush=True)
+        r = run_one(config, seed, root)
+        print(f"  {config} seed {seed}: held-out {100 * r['eval_start']:.1f} -> max {100 * r['eval_max']:.1f} %, "
+              f"reward {r['reward_early']:.3f} -> {r['reward_late']:.3f} ({r['wall_s']:.0f} s)", flush=True)
+        return r
+
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(int(jobs)) as pool:
+        futures = {(c, s): pool.submit(run_and_show, c, s, Path(tmp)) for c in configs for s in seeds}
         for config in configs:
-            runs = []
-            for seed in seeds:
-                print(f"{config} seed {seed} ...", flush=True)
-                runs.append(run_one(config, seed, Path(tmp)))
-                r = runs[-1]
-                print(f"  held-out {100 * r['eval_start']:.1f} -> max {100 * r['eval_max']:.1f} %, reward "
-                      f"{r['reward_early']:.3f} -> {r['reward_late']:.3f} ({r['wall_s']:.0f} s)", flush=True)
+            runs = [futures[config, seed].result() for seed in seeds]
             verdicts = [Verdict(f"{config} {g}, smallest over seeds", min(r[g] for r in runs), ">=", MIN_GAIN,
                                 digits=3) for g in GAINS]
             result["configs"][config] = {
