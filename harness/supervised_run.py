@@ -46,8 +46,9 @@ class SupervisedRun:
         self.output = run_dir / "supervisord.out"
 
     def start(self) -> "SupervisedRun":
-        self.proc = subprocess.Popen(["supervisord", "-c", str(self.conf)], cwd=REPO, env=self.env,
-                                     stdout=self.output.open("wb"), stderr=subprocess.STDOUT,
+        # as a module of this interpreter: offline bundles carry the package without its console scripts
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)], cwd=REPO,
+                                     env=self.env, stdout=self.output.open("wb"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
 
@@ -66,7 +67,7 @@ class SupervisedRun:
             time.sleep(0.1)
 
     def ctl(self, *args: str) -> str:
-        out = subprocess.run(["supervisorctl", "-c", str(self.conf), *args], env=self.env,
+        out = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args], env=self.env,
                              capture_output=True, text=True, timeout=60)
         return out.stdout + out.stderr
 

@@ -13,7 +13,7 @@ from nano_miles.engine.client import EngineClient
 from nano_miles.observe.run_record import ledger_report
 from nano_miles.run.config import load_config
 from nano_miles.stages.rollout.producer import RolloutProducer
-from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, decode_reply, encode_reply
+from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState, decode_reply, encode_reply
 
 
 def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
@@ -77,8 +77,11 @@ def test_no_signal_groups_stay_out_of_the_run_and_out_of_the_status(engine_url, 
         assert producer.ledger.dropped_for_good == dict.fromkeys(skipped, NO_SIGNAL)
         assert producer.metrics.registry.get_sample_value("nanomiles_dropped_for_good_groups_total",
                                                           {"reason": NO_SIGNAL}) == len(skipped)
-        # after a restart the producer learns them from the trainer and never issues them again
-        producer.ledger.restore(issued[1::2], cursor=1000, no_signal=skipped)
+        # a restarted trainer gets them back, once, in the reply to restore; they are never issued again
+        state = RestoreState(step=1, version=1, committed_group_ids=issued[1::2], cursor=1000,
+                             num_generated_tokens=0, no_signal_group_ids=skipped[:10])
+        restored = ProducerStatus.from_result(decode_reply(encode_reply("r2", "inc", producer.on_restore(state))).result)
+        assert restored.dropped_for_good == dict.fromkeys(skipped, NO_SIGNAL)
         assert {producer.ledger.next_group()[0] for _ in range(1000)}.isdisjoint(issued)
     finally:
         producer.close()

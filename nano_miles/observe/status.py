@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import sys
 import time
 
 import zmq
@@ -94,8 +95,8 @@ def supervisor_view(cfg: Config) -> str | None:
     if not sock.exists():
         return None
     try:
-        out = subprocess.run(["supervisorctl", "-s", f"unix://{sock}", "status"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-s", f"unix://{sock}", "status"],
+                             capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"supervisorctl failed: {e}"
     return (out.stdout + out.stderr).rstrip()

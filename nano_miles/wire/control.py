@@ -93,8 +93,8 @@ class ProducerStatus:
     num_reissued: int             # groups put back in line (lease expired, dropped, rolled back)
     num_inflight: int             # groups being generated now
     outstanding_group_ids: list[str]   # issued, not yet trained or dropped (inflight ones included)
-    dropped_for_good: dict[str, str]   # group id -> why the producer gave up on it (no_signal groups left out:
-                                       # the trainer decided those and keeps them)
+    dropped_for_good: dict[str, str]   # group id -> why the producer gave up on it; no_signal groups only in
+                                       # the reply to restore (the trainer decided those and keeps them)
 
     @property
     def num_outstanding(self) -> int:

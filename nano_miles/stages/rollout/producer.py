@@ -111,7 +111,7 @@ class RolloutProducer:
         self.state.num_generated_tokens = max(self.state.num_generated_tokens, state.num_generated_tokens)
         log.info("restored from the trainer: step %d, version %d, %d groups trained, %d to issue again",
                  state.step, state.version, len(self.ledger.trained), self.ledger.num_pending_reissue)
-        return self.on_status()
+        return self.on_status(with_no_signal=True)  # a restarted trainer learns what it skipped, once
 
     def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str],
                   no_signal_group_ids: list[str]) -> dict:
@@ -122,7 +122,7 @@ class RolloutProducer:
             self.metrics.dropped_for_good.labels(NO_SIGNAL).inc()
         return self.on_status()
 
-    def on_status(self) -> dict:
+    def on_status(self, *, with_no_signal: bool = False) -> dict:
         s = self.state
         if s.is_paused:
             waiting = "the trainer's resume"
@@ -137,7 +137,8 @@ class RolloutProducer:
             num_generated_tokens=s.num_generated_tokens, num_resumed_samples=s.num_resumed_samples,
             num_failed=s.num_failed, num_reissued=self.ledger.num_reissued, num_inflight=len(s.inflight),
             outstanding_group_ids=sorted(self.ledger.outstanding),
-            dropped_for_good={g: why for g, why in self.ledger.dropped_for_good.items() if why != NO_SIGNAL},
+            dropped_for_good={g: why for g, why in self.ledger.dropped_for_good.items()
+                              if with_no_signal or why != NO_SIGNAL},
         ).to_result()
 
     def generating_ids(self) -> set[str]:

@@ -44,7 +44,8 @@ def make_sender(cfg: Config, engine):
 
 class Peers:
     def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], RestoreState], *,
-                 run_id: str, on_producer_restart: Callable[[], None] = lambda: None):
+                 run_id: str, on_producer_restart: Callable[[], None] = lambda: None,
+                 on_restored: Callable[[ProducerStatus], None] = lambda status: None):
         t = cfg.trainer
         self.cfg = cfg
         self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
@@ -53,6 +54,7 @@ class Peers:
                                      timeout_s=t.control_timeout_s, retries=t.control_retries)
         self.durable_state = durable_state  # the trainer's durable state, as `restore` sends it
         self.on_producer_restart = on_producer_restart
+        self.on_restored = on_restored      # the producer's reply to `restore`, its whole ledger of drops
         self.version = -1                   # what the engine serves, as far as we know
         self.producer: ProducerStatus | None = None  # from the producer's last reply
         self.update_split_ms: dict[str, float] = {}
@@ -86,7 +88,7 @@ class Peers:
         self.num_producer_restores += 1
         state = self.durable_state()
         log.info("restoring the producer: step %d, %d groups trained", state.step, len(state.committed_group_ids))
-        self.request("restore", state=state)
+        self.on_restored(self.request("restore", state=state))
         return self.request("resume", version=self.version)
 
     # ------------------------------------------------------------------ engine

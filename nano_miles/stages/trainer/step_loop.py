@@ -33,7 +33,7 @@ from nano_miles.stages.trainer.learner import Learner, Sample
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.tasks.prompts import make_decoder
 from nano_miles.wire.codec import WireError, position_of
-from nano_miles.wire.control import NO_SIGNAL, RestoreState
+from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState
 from nano_miles.wire.data import ScoredGroup, decode_scored
 from nano_miles.wire.sockets import make_socket
 
@@ -58,7 +58,8 @@ class Trainer:
         self.num_items = num_items  # the train split's size: group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
-                           on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc())
+                           on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc(),
+                           on_restored=self.adopt_no_signal)
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
@@ -145,6 +146,11 @@ class Trainer:
                             committed_group_ids=sorted(self.trained_ids), cursor=self.state.cursor,
                             num_generated_tokens=self.state.num_generated_tokens,
                             no_signal_group_ids=sorted(self.state.no_signal_ids))
+
+    def adopt_no_signal(self, restored: ProducerStatus) -> None:
+        """Take back the groups a previous incarnation skipped after its last checkpoint: the producer
+        kept them (as dropped for good) and lists them only in its reply to `restore`."""
+        self.state.no_signal_ids |= {g for g, why in restored.dropped_for_good.items() if why == NO_SIGNAL}
 
     def finish(self, engine_busy_start: float | None) -> dict:
         status = self.peers.request("status")
