@@ -12,6 +12,7 @@ result and sends it, so the control channel, the engines and the weight group se
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from nano_miles.run.cli import ArgumentParser, run
@@ -119,10 +120,13 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         torch.save({"loss": loss, "grad_norm": grad_norm, "params": dict(named)}, out)
     if world > 1:
-        # no rank tears gloo down while another still uses it (rank 0 is saving): a rank that
-        # destroyed the group early was seen to abort ("terminate called without an active exception")
+        # Every rank waits until rank 0 has saved, then leaves without tearing gloo down: its
+        # destructors were seen to abort a rank now and then ("terminate called without an active
+        # exception") after all the work was done, even with the group destroyed after a barrier.
         dist.barrier()
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
