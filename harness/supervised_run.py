@@ -47,9 +47,9 @@ class SupervisedRun:
 
     def start(self) -> "SupervisedRun":
         # as a module of this interpreter: offline bundles carry the package without its console scripts
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)], cwd=REPO,
-                                     env=self.env, stdout=self.output.open("wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
+                                     cwd=REPO, env=self.env, stdout=self.output.open("wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def wait(self, timeout_s: float) -> int:
@@ -67,8 +67,8 @@ class SupervisedRun:
             time.sleep(0.1)
 
     def ctl(self, *args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args], env=self.env,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args],
+                             env=self.env, capture_output=True, text=True, timeout=60)
         return out.stdout + out.stderr
 
     def tail(self, num_chars: int = 4000) -> str:

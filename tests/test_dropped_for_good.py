@@ -80,7 +80,8 @@ def test_no_signal_groups_stay_out_of_the_run_and_out_of_the_status(engine_url, 
         # a restarted trainer gets them back, once, in the reply to restore; they are never issued again
         state = RestoreState(step=1, version=1, committed_group_ids=issued[1::2], cursor=1000,
                              num_generated_tokens=0, no_signal_group_ids=skipped[:10])
-        restored = ProducerStatus.from_result(decode_reply(encode_reply("r2", "inc", producer.on_restore(state))).result)
+        reply = decode_reply(encode_reply("r2", "inc", producer.on_restore(state)))
+        restored = ProducerStatus.from_result(reply.result)
         assert restored.dropped_for_good == dict.fromkeys(skipped, NO_SIGNAL)
         assert {producer.ledger.next_group()[0] for _ in range(1000)}.isdisjoint(issued)
     finally:

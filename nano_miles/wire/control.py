@@ -57,8 +57,7 @@ def keeps_requests(pause_mode: str) -> bool:
     return pause_mode != "abort"
 
 
-MAX_GROUP_IDS = 1 << 20     # ids in one commit, restore or status (lists, or maps keyed by id): a whole epoch
-                            # of a large dataset
+MAX_GROUP_IDS = 1 << 20     # ids in one commit, restore or status: a whole epoch of a large dataset
 MAX_RESULT_DEPTH = 8        # nesting of a reply's result
 
 
@@ -234,8 +233,7 @@ def encode_request(cmd: str, req_id: str, run_id: str, **args: Any) -> bytes:
 
 def decode_request(data: bytes | bytearray | memoryview) -> ControlRequest:
     """The ControlRequest in one `kind="request"` message; WireError naming the field otherwise."""
-    m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, max_map_items=MAX_GROUP_IDS,
-                       versions=(CONTROL_SCHEMA_VERSION,))
+    m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, versions=(CONTROL_SCHEMA_VERSION,))
     cmd = get(m, "cmd", str, "")
     req_id = check_text_id(get(m, "req_id", str, ""), "req_id")
     run_id = check_text_id(get(m, "run_id", str, ""), "run_id")
@@ -259,6 +257,7 @@ def encode_reply(req_id: str, incarnation: str, result: dict[str, Any] | None = 
 
 def decode_reply(data: bytes | bytearray | memoryview) -> ControlReply:
     """The ControlReply in one `kind="reply"` message; WireError naming the field otherwise."""
+    # a status names its dropped groups in a map keyed by id: bounded like the id lists
     m = unpack_message(data, ("reply",), max_array_items=MAX_GROUP_IDS, max_map_items=MAX_GROUP_IDS,
                        versions=(CONTROL_SCHEMA_VERSION,))
     ok = get(m, "ok", bool, "")
