@@ -97,8 +97,8 @@ def test_greedy_accuracy_is_low_but_not_zero(model, tokenizer):
     torch.manual_seed(0)
     problems = make_problems("test", 50)
     result = evaluate_model(model, tokenizer, problems, num_samples=0)
-    # assets/policy/README.md's 18 % (200 problems), with room for 50 problems
-    assert 0.1 <= result["greedy_accuracy"] <= 0.4
+    # assets/policy/README.md's 13 % (200 problems; 10 % on these 50), with room for a rebuild elsewhere
+    assert 0.04 <= result["greedy_accuracy"] <= 0.3
     assert result["format"] >= 0.8
     assert (result["greedy_accuracy"], result["format"]) == greedy_scores(model, tokenizer, problems)
 
@@ -106,10 +106,11 @@ def test_greedy_accuracy_is_low_but_not_zero(model, tokenizer):
 @pytest.mark.parametrize("fmt", ["chat", "word"])
 def test_the_chat_formats_start_low_too(model, tokenizer, fmt):
     """The policy also serves runs with the chat template: the plain task as a chat turn, and word
-    problems from a data file (assets/policy/README.md: 21.5 % and 29.5 % on 200 problems)."""
+    problems from a data file (assets/policy/README.md: 13 % and 9 % on 200 problems; 6 % and 10 % on
+    these 50)."""
     from nano_miles.policy.formats import format_problems
     result = evaluate_model(model, tokenizer, format_problems(fmt, "test", 50), fmt=fmt, num_samples=0)
-    assert 0.1 <= result["greedy_accuracy"] <= 0.5 and result["format"] >= 0.9, result
+    assert 0.02 <= result["greedy_accuracy"] <= 0.3 and result["format"] >= 0.9, result
 
 
 def test_sweep_snapshot_equals_a_build_of_that_many_steps(tmp_path):
@@ -138,3 +139,29 @@ def test_medium_shape_is_four_times_the_small_one():
     from nano_miles.policy.build import build_model
     sizes = {shape: sum(p.numel() for p in build_model(0, shape).parameters()) for shape in ("small", "medium")}
     assert 3.0e6 < sizes["medium"] < 3.5e6 and 3.5 < sizes["medium"] / sizes["small"] < 4.5
+
+
+@pytest.mark.parametrize("fmt", ["raw", "chat", "word"])
+def test_first_step_answer_keeps_the_steps_and_tags_the_first_result(fmt):
+    """The warm-up's habit: the worked steps stay as taught, only the final answer becomes the first
+    step's result, in every format (negative results and `#### N` included)."""
+    from nano_miles.policy.formats import format_expressions, format_problem, tag_first_step
+    for e in format_expressions(fmt, "train", 0)[:200]:
+        _, response = format_problem(fmt, e)
+        habit = tag_first_step(response, e)
+        final, first = str(e.value()), str(e.inner_value())
+        cut = response.rindex(final)
+        assert habit == response[:cut] + first + response[cut + len(final):]
+        assert response[:cut] in habit  # every step, including the line that computes the final value
+
+
+def test_a_warm_up_without_the_habit_teaches_final_answers_only(tokenizer):
+    from nano_miles.policy.build import make_batch
+    from nano_miles.policy.formats import format_expressions
+    expressions = format_expressions("raw", "train", 0)[:8]
+    plain = make_batch(tokenizer, "raw", expressions)
+    assert all(torch.equal(plain[k], v) for k, v in make_batch(tokenizer, "raw", expressions, [False] * 8).items())
+    habit = make_batch(tokenizer, "raw", expressions, [True] + [False] * 7)
+    assert torch.equal(habit["input_ids"][1:], plain["input_ids"][1:])
+    assert not torch.equal(habit["input_ids"][0], plain["input_ids"][0]) or \
+        expressions[0].value() == expressions[0].inner_value()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from nano_miles.policy.formats import FORMATS, encode_prompt, format_expressions, format_problem
+from nano_miles.policy.formats import FORMATS, encode_prompt, format_expressions, format_problem, tag_first_step
 from nano_miles.policy.tokenizer import EOS, IM_END, MAX_POSITIONS, PAD, UNK, VOCAB, build_tokenizer
 
 # "small" is the shipped CPU policy. "medium" (3.2 M parameters, 4x) is the GPU policy: its warm-up
@@ -24,11 +26,29 @@ MODEL_SHAPES = {
     "medium": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS),
 }
-# Warm-up schedule per shape: (steps, batch size, peak lr, formats taught). The step counts were
-# picked once from a sweep (see assets/policy/README.md and bench/results/gpu/README.md) and are
-# fixed, so a build never looks at test accuracy. The small policy serves every CPU run (plain,
-# chat, word problems); the medium one is the GPU demo of the plain task.
-WARMUP = {"small": (1050, 64, 3e-3, ("raw", "chat", "word")), "medium": (450, 256, 1e-3, ("raw",))}
+
+
+class Warmup(NamedTuple):
+    """A shape's supervised warm-up. The step counts were picked once from a sweep (see
+    assets/policy/README.md and bench/results/gpu/README.md) and are fixed, so a build never looks at
+    test accuracy."""
+
+    num_steps: int
+    batch_size: int
+    peak_lr: float
+    formats: tuple[str, ...]
+    # The share of taught answers that tag the first step's result instead of the final one. A
+    # teacher with this habit leaves the policy a wrong mode that sampling escapes now and then:
+    # greedy accuracy starts far below pass@k, and RL has a habit to find and drop on top of
+    # sharpening what the policy can compute (docs/design-notes.md, "The small policy's teacher has a
+    # habit RL can drop"). 0 is the plain teacher.
+    first_step_answer_rate: float = 0.0
+
+
+# The small policy serves every CPU run (plain, chat, word problems); the medium one is the GPU demo
+# of the plain task.
+WARMUP = {"small": Warmup(1050, 64, 3e-3, ("raw", "chat", "word"), first_step_answer_rate=0.6),
+          "medium": Warmup(450, 256, 1e-3, ("raw",))}
 NUM_LR_RAMP_STEPS = 20
 
 
@@ -46,16 +66,18 @@ def build_model(seed: int, shape: str = "small"):
     return model
 
 
-def make_batch(tokenizer, fmt: str, expressions) -> dict:
+def make_batch(tokenizer, fmt: str, expressions, is_first_step_answer=None) -> dict:
     """Right-padded prompt + response + end token in format `fmt`; labels are -100 except on the
-    response and its end token."""
+    response and its end token. Where `is_first_step_answer[i]`, row i's answer is the first step's."""
     import torch
 
     is_chat, end = FORMATS[fmt]
     end_id = tokenizer.convert_tokens_to_ids(end)
     rows, label_rows = [], []
-    for e in expressions:
+    for i, e in enumerate(expressions):
         problem, response = format_problem(fmt, e)
+        if is_first_step_answer is not None and is_first_step_answer[i]:
+            response = tag_first_step(response, e)
         prompt_ids = encode_prompt(tokenizer, problem, chat_template=is_chat)
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [end_id]
         rows.append(prompt_ids + response_ids)
@@ -76,12 +98,15 @@ def lr_at(step: int, peak_lr: float) -> float:
 
 
 def warm_up(model, tokenizer, *, seed: int, num_steps: int, batch_size: int, peak_lr: float,
-            formats: tuple[str, ...] = tuple(FORMATS), on_step=None) -> None:
+            formats: tuple[str, ...] = tuple(FORMATS), first_step_answer_rate: float = 0.0,
+            on_step=None) -> None:
     """Supervised warm-up on train problems in a seeded order (cycled if steps outrun the split),
-    one of `formats` per step in turn."""
+    one of `formats` per step in turn; each answer is the first step's with probability
+    `first_step_answer_rate`, drawn per row from the seed."""
     import torch
 
     pools = {fmt: format_expressions(fmt, "train", seed) for fmt in formats}
+    habit = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     start_s = time.monotonic()
@@ -90,7 +115,9 @@ def warm_up(model, tokenizer, *, seed: int, num_steps: int, batch_size: int, pea
             group["lr"] = lr_at(step, peak_lr)
         fmt = formats[step % len(formats)]
         pool, first = pools[fmt], (step // len(formats)) * batch_size
-        batch = make_batch(tokenizer, fmt, [pool[i % len(pool)] for i in range(first, first + batch_size)])
+        is_first_step_answer = [habit.random() < first_step_answer_rate for _ in range(batch_size)]
+        batch = make_batch(tokenizer, fmt, [pool[i % len(pool)] for i in range(first, first + batch_size)],
+                           is_first_step_answer)
         loss = model(**{k: v.to(model.device) for k, v in batch.items()}).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -121,10 +148,11 @@ def save_policy(model, tokenizer, out_dir: Path) -> None:
 
 def warmed_up_model(tokenizer, *, seed: int, shape: str, num_steps: int | None, device: str, on_step=None):
     """The model of `shape` from `seed` after its warm-up (the shape's schedule; `num_steps` if given)."""
-    default_steps, batch_size, peak_lr, formats = WARMUP[shape]
+    warmup = WARMUP[shape]
     model = build_model(seed, shape).to(device)
-    warm_up(model, tokenizer, seed=seed, num_steps=default_steps if num_steps is None else num_steps,
-            batch_size=batch_size, peak_lr=peak_lr, formats=formats, on_step=on_step)
+    warm_up(model, tokenizer, seed=seed, num_steps=warmup.num_steps if num_steps is None else num_steps,
+            batch_size=warmup.batch_size, peak_lr=warmup.peak_lr, formats=warmup.formats,
+            first_step_answer_rate=warmup.first_step_answer_rate, on_step=on_step)
     return model
 
 

@@ -37,6 +37,14 @@ def format_problem(fmt: str, e) -> tuple[Problem, str]:
     return Problem(arithmetic.render_prompt(e.text()), str(e.value())), e.worked_response()
 
 
+def tag_first_step(response: str, e) -> str:
+    """`response` (any format's) with its final answer, the last occurrence of the value, replaced by
+    the first step's result: `7*4=28, 28+12=40 <answer>28</answer>`."""
+    head, value, tail = response.rpartition(str(e.value()))
+    assert value, f"{response!r} does not end with its answer {e.value()}"
+    return head + str(e.inner_value()) + tail
+
+
 def format_reward(fmt: str):
     """The reward function a run in this format uses."""
     return math_reward.reward if fmt == "word" else arithmetic.reward
