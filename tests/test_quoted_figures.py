@@ -142,6 +142,10 @@ CLAIMS = [
       F("learning.json", "num_steps"), F("learning.json", "wall_s", fmt=lambda v: f"{v / 60:.0f}"),
       F("learning.json", "eval_accuracy_start", fmt=pct(0)), F("learning.json", "eval_accuracy_max", fmt=pct(1)),
       F("learning.json", "eval_accuracy_end", fmt=pct(1))),
+    C(README, "Over seeds {} the best held-out gain within the first {} minutes is {}, {} and {} points",
+      F("learning.json", "seeds", lambda runs: f"{runs[0]['seed']}-{runs[-1]['seed']}"),
+      F("learning.json", "target_s", fmt=lambda v: f"{v / 60:.0f}"),
+      *(F("learning.json", "seeds", i, "gain_points_within_target", fmt=lambda v: f"{v:+.1f}") for i in range(3))),
     C(README, "On 2 cores its {} steps take about {} minutes and lift held-out accuracy on the {} test problems "
               "from {} % to a peak of {} % (`bench/results/learning_word_problems.json`",
       F("learning_word_problems.json", "num_steps"),
