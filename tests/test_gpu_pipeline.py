@@ -1,5 +1,5 @@
 """A short sync GRPO run on a GPU under the real supervisord: SGLang in the engine slot, the trainer on
-CUDA, a CUDA-IPC weight update after every step. Skipped where there is no CUDA device or no sglang.
+CUDA, a weight update through the flat buffer after every step. Skipped where there is no CUDA device or no sglang.
 Run on a GPU host: python -m pytest -m gpu tests/test_gpu_pipeline.py -s
 """
 
@@ -35,7 +35,9 @@ def test_sync_pipeline_learns_on_gpu(tmp_path):
     assert [r["step"] for r in records] == list(range(1, num_steps + 1))
     assert all(r["version"] == r["step"] for r in records), "engine weights must follow every step"
     assert all(r["staleness_max"] == 0 for r in records)
-    # Two H200 runs: held-out accuracy 0.225 -> 0.28 and 0.22 -> 0.32. Their training reward moved by
-    # +0.011 and -0.003 (early vs late fifth of 60 steps): noise at this length, so it is not asserted.
-    # At lr 5e-4 the small policy collapses (on CPU as well).
-    assert s["eval_accuracy_max"] >= s["eval_accuracy_start"] + 0.03, s
+    assert s["weight_path"] == "flat", "SGLang is started with the flat loader: the trainer must use it"
+    # The small policy starts at 13 % held-out; on 2 CPU cores, sync runs of 48 steps at this batch
+    # size gained +20 to +24.5 points over seeds 0-4 (bench/results/learning_seeds.json). The training
+    # reward of a single 60-step run is noise (an early/late comparison failed here once), held-out
+    # accuracy over 60 steps is not. At lr 5e-4 the small policy collapses (on CPU as well).
+    assert s["eval_accuracy_max"] >= s["eval_accuracy_start"] + 0.10, s

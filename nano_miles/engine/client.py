@@ -10,6 +10,7 @@ import hashlib
 import http.client
 import json
 import logging
+import re
 import threading
 import time
 from urllib.parse import urlsplit
@@ -202,6 +203,10 @@ class EngineClient:
     def server_info(self) -> dict:
         return self._call("GET", "/server_info")
 
+    def on_all(self, method: str, *args, **kwargs) -> list:
+        """`self.<method>(*args)` as a list of one answer: the interface `EngineGroup.on_all` has."""
+        return [getattr(self, method)(*args, **kwargs)]
+
     def weight_version(self) -> int | None:
         """The weight version served, as the int the pipeline tags weights with (the HTTP API carries
         a string); None when the engine reports something else (e.g. SGLang's "default")."""
@@ -243,3 +248,15 @@ class EngineClient:
 
     def destroy_weights_update_group(self, group_name: str, timeout_s: float | None = None) -> dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
+
+
+def uses_update_sessions(engine) -> bool:
+    """Whether this SGLang server wants /begin_weight_update ... /end_weight_update around tensor
+    updates: newer servers refuse a tensor update outside such a session; 0.5.16 has no such routes
+    (404). Asked once per client (or group), from /server_info's version."""
+    cached = getattr(engine, "is_session_api", None)
+    if cached is None:
+        version = str(engine.server_info().get("version", "0"))
+        parts = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+        cached = engine.is_session_api = parts >= (0, 5, 23)
+    return cached

@@ -2,7 +2,7 @@
 
 Every sender has `push(model, version, *, flush_cache) -> time split` and `close()`:
 
-    tensor_sender.py     shared-memory handles (CPU) or CUDA-IPC buckets (GPU)
+    tensor_sender.py     shared-memory handles (CPU), the flat buffer or CUDA-IPC buckets (GPU)
                          engine side: tensor_receiver.py
     flat_sender.py       one persistent GPU buffer that SGLang maps once
                          engine side: flat_receiver.py (SGLang's custom weight loader)
@@ -10,9 +10,10 @@ Every sender has `push(model, version, *, flush_cache) -> time split` and `close
                          engine side: nano_miles/local_engine/weight_group.py
 
 The trainer picks its sender in one place (`make_sender` in nano_miles/stages/trainer/peers.py) from
-`engine.weight_transport`: "tensor" or "distributed". The flat sender is not selected there yet: it is
-exercised by the GPU tests and measured by bench/weight_sync_gpu.py, and SGLang is already started
-with its loader, so choosing it on a GPU is one branch in `make_sender`.
+`engine.weight_transport`: "tensor" or "distributed". The tensor sender then picks its path at the
+first push after each engine (re)start: shared memory for a CPU model, the flat buffer on a GPU when
+every engine was started with its loader (`nano_miles/engine/launch.py` starts SGLang so), CUDA-IPC
+buckets otherwise.
 
 `named_tensors.py` (which tensors, how they load) and `broadcast_group.py` are shared by both sides;
 the engine-side modules never import a sender.

@@ -11,10 +11,10 @@ import time
 
 import torch
 
+from nano_miles.engine.client import uses_update_sessions
 from nano_miles.weights import flat_receiver
 from nano_miles.weights.flat_receiver import ALIGN_BYTES, flat_view
 from nano_miles.weights.named_tensors import trainable_named_tensors
-from nano_miles.weights.tensor_sender import uses_update_sessions
 
 # what SGLang must have been started with as --custom-weight-loader (nano_miles/engine/launch.py does)
 LOADER = f"{flat_receiver.__name__}.{flat_receiver.load_flat.__name__}"

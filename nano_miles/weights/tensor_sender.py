@@ -2,7 +2,7 @@
 
 Trainer side; the engine side (rebuild and load) is `tensor_receiver.py`.
 
-Two transports behind SGLang's one endpoint, `/update_weights_from_tensor`:
+Three paths behind SGLang's one endpoint, `/update_weights_from_tensor`; `TensorSender` picks one:
 
 * CPU (the local engine): tensors are pickled with torch's multiprocessing reductions under the
   `file_system` sharing strategy, so a payload carries only names of shared-memory segments, never the
@@ -11,17 +11,17 @@ Two transports behind SGLang's one endpoint, `/update_weights_from_tensor`:
   `file_descriptor` strategy cannot work here: the receiver would fetch descriptors from the
   sender's resource sharer, which authenticates with the sender's multiprocessing authkey and so
   rejects an unrelated process.
-* GPU with SGLang importable: SGLang's own `FlattenedTensorBucket` + `MultiprocessingSerializer`
+* GPU, engines started with the project's loader: one persistent buffer mapped once (`flat_sender.py`).
+* GPU otherwise (SGLang importable): SGLang's own `FlattenedTensorBucket` + `MultiprocessingSerializer`
   (CUDA IPC handles), in buckets, as its server expects (`load_format="flattened_bucket"`).
-
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import logging
 import pickle
-import re
 import time
 from collections.abc import Iterable
 from multiprocessing.reduction import ForkingPickler
@@ -29,7 +29,12 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing as torch_mp
 
+from nano_miles.engine.client import uses_update_sessions
+from nano_miles.weights.flat_sender import LOADER as FLAT_LOADER
+from nano_miles.weights.flat_sender import FlatSender
 from nano_miles.weights.named_tensors import split_into_buckets, trainable_named_tensors
+
+log = logging.getLogger(__name__)
 
 
 def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -61,30 +66,50 @@ def push_weights(client, model: torch.nn.Module, version: int, *,
     return {"gather_s": 0.0, "serialize_s": t1 - t0, "apply_s": t2 - t1, "total_s": t2 - t0}
 
 
-class TensorSender:
-    """The default transport (`engine.weight_transport = "tensor"`): shared memory on CPU, CUDA IPC
-    buckets on a GPU; the engine runs on the trainer's host."""
+def serves_flat_loader(server_infos: list[dict]) -> bool:
+    """Do all these engines (their /server_info answers) load weights through the flat buffer?
+    SGLang reports its --custom-weight-loader list there; the local engine has none."""
+    return bool(server_infos) and all(FLAT_LOADER in (info.get("custom_weight_loader") or [])
+                                      for info in server_infos)
 
-    def __init__(self, engine):
+
+class TensorSender:
+    """The default transport (`engine.weight_transport = "tensor"`), for engines on the trainer's host.
+    One place picks the path, at the first push and again after `close()` (an engine restarted):
+
+    * "shared-memory": the model is on the CPU;
+    * "flat": the model is on a GPU and every engine loads the flat buffer (SGLang as
+      `nano_miles/engine/launch.py` starts it): `flat_sender.FlatSender`, one persistent buffer;
+    * "bucket": the model is on a GPU and an engine lacks that loader (an SGLang started elsewhere):
+      SGLang's stock CUDA-IPC buckets.
+    """
+
+    def __init__(self, engine, *, engine_dtype: str = "bfloat16"):  # the flat buffer's: the engine's dtype
         self.engine = engine
+        self.flat = FlatSender(engine, dtype=getattr(torch, engine_dtype))  # its buffer outlives restarts
+        self.path: str | None = None
+
+    def choose_path(self, model: torch.nn.Module) -> str:
+        named = trainable_named_tensors(model)
+        if not named or not named[0][1].is_cuda:
+            return "shared-memory"
+        if serves_flat_loader(self.engine.on_all("server_info")):
+            return "flat"
+        log.warning("an engine was not started with --custom-weight-loader %s: weights go through "
+                    "SGLang's CUDA-IPC buckets (slower)", FLAT_LOADER)
+        return "bucket"
 
     def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
+        if self.path is None:
+            self.path = self.choose_path(model)
+            log.info("weight updates take the %s path", self.path)
+        if self.path == "flat":
+            return self.flat.push(model, version, flush_cache=flush_cache)
         return push_weights(self.engine, model, version, flush_cache=flush_cache)
 
     def close(self) -> None:
-        """Nothing to release: every push is self-contained."""
-
-
-def uses_update_sessions(client) -> bool:
-    """Whether this SGLang server wants /begin_weight_update ... /end_weight_update around tensor
-    updates: newer servers refuse a tensor update outside such a session; 0.5.16 has no such routes
-    (404). Asked once per client, from /server_info's version."""
-    cached = getattr(client, "is_session_api", None)
-    if cached is None:
-        version = str(client.server_info().get("version", "0"))
-        parts = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
-        cached = client.is_session_api = parts >= (0, 5, 23)
-    return cached
+        """Forget the path: a restarted engine may have been started differently."""
+        self.path = None
 
 
 def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int,

@@ -39,7 +39,7 @@ def make_sender(cfg: Config, engine):
         return BroadcastSender([EngineClient(u, timeout_s=e.request_timeout_s) for u in e.engine_urls],
                                backend=e.weight_group_backend, master_address=e.weight_group_address,
                                master_port=e.weight_group_port, timeout_s=e.weight_group_timeout_s)
-    return TensorSender(engine)
+    return TensorSender(engine, engine_dtype=e.dtype)
 
 
 class Peers:

@@ -164,6 +164,7 @@ class Trainer:
                        engine_final_version=self.peers.with_engine(
                            "final check", lambda: self.peers.engine.model_info()["weight_version"]),
                        final_parity=self.final_parity(),
+                       weight_path=self.peers.sender.path,
                        engine_repushes=self.peers.num_engine_repushes,
                        producer_restores=self.peers.num_producer_restores,
                        trainer_idle_fraction=sum(r["wait_s"] for r in steps) / wall_s,
