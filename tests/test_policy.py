@@ -135,10 +135,13 @@ def test_sweep_snapshot_equals_a_build_of_that_many_steps(tmp_path):
     assert saved["rows"] == rows
 
 
-def test_medium_shape_is_four_times_the_small_one():
-    from nano_miles.policy.build import build_model
-    sizes = {shape: sum(p.numel() for p in build_model(0, shape).parameters()) for shape in ("small", "medium")}
+def test_shapes_have_the_sizes_their_docs_give():
+    from nano_miles.policy.__main__ import SHAPES
+    from nano_miles.policy.build import MODEL_SHAPES, WARMUP, build_model
+    assert set(SHAPES) == set(MODEL_SHAPES) == set(WARMUP)  # --help names every shape without importing torch
+    sizes = {shape: sum(p.numel() for p in build_model(0, shape).parameters()) for shape in MODEL_SHAPES}
     assert 3.0e6 < sizes["medium"] < 3.5e6 and 3.5 < sizes["medium"] / sizes["small"] < 4.5
+    assert 30e6 <= sizes["large"] < 45e6
 
 
 @pytest.mark.parametrize("fmt", ["raw", "chat", "word"])

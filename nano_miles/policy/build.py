@@ -18,13 +18,16 @@ from typing import NamedTuple
 from nano_miles.policy.formats import FORMATS, encode_prompt, format_expressions, format_problem, tag_first_step
 from nano_miles.policy.tokenizer import EOS, IM_END, MAX_POSITIONS, PAD, UNK, VOCAB, build_tokenizer
 
-# "small" is the shipped CPU policy. "medium" (3.2 M parameters, 4x) is the GPU policy: its warm-up
-# takes minutes on one GPU, and it can learn the task to high accuracy.
+# "small" is the shipped CPU policy. "medium" (3.2 M parameters, 4x) is the quick GPU demo: its
+# warm-up takes a minute on one GPU, and it can learn the task to high accuracy. "large" (39.5 M) is
+# big enough that a GPU's training step costs about what generation does.
 MODEL_SHAPES = {
     "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS),
     "medium": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=MAX_POSITIONS),
+    "large": dict(hidden_size=640, intermediate_size=1920, num_hidden_layers=8,
+                  num_attention_heads=10, num_key_value_heads=5, max_position_embeddings=MAX_POSITIONS),
 }
 
 
@@ -46,9 +49,10 @@ class Warmup(NamedTuple):
 
 
 # The small policy serves every CPU run (plain, chat, word problems); the medium one is the GPU demo
-# of the plain task.
+# of the plain task; the large one the GPU's real curve on it, from a start far below its pass@k.
 WARMUP = {"small": Warmup(1050, 64, 3e-3, ("raw", "chat", "word"), first_step_answer_rate=0.6),
-          "medium": Warmup(450, 256, 1e-3, ("raw",))}
+          "medium": Warmup(450, 256, 1e-3, ("raw",)),
+          "large": Warmup(900, 256, 1e-3, ("raw",), first_step_answer_rate=0.6)}
 NUM_LR_RAMP_STEPS = 20
 
 
@@ -186,7 +190,8 @@ def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device:
         model.eval()
         torch.manual_seed(seed)
         row = {"step": step, "warmup_s": round(time.monotonic() - start_s, 1),
-               **evaluate_formats(model, tokenizer, num_eval, num_samples=num_samples)}
+               **evaluate_formats(model, tokenizer, num_eval, num_samples=num_samples,
+                                  formats=WARMUP[shape].formats)}
         model.train()
         save_policy(copy.deepcopy(model).cpu(), tokenizer, out_dir / f"step{step}")
         rows.append(row)

@@ -53,11 +53,12 @@ def evaluate_model(model, tokenizer, problems: list[Problem], *, fmt: str = "raw
     return result
 
 
-def evaluate_formats(model, tokenizer, num: int, *, num_samples: int = 8) -> dict[str, float]:
-    """`evaluate_model` on `num` test problems of every format; raw's keys plain, the others'
+def evaluate_formats(model, tokenizer, num: int, *, num_samples: int = 8,
+                     formats: tuple[str, ...] = FORMATS) -> dict[str, float]:
+    """`evaluate_model` on `num` test problems of each format; raw's keys plain, the others'
     prefixed with the format (`word/greedy_accuracy`)."""
     result = {}
-    for fmt in FORMATS:
+    for fmt in formats:
         scores = evaluate_model(model, tokenizer, format_problems(fmt, "test", num), fmt=fmt, num_samples=num_samples)
         result.update({k if fmt == "raw" else f"{fmt}/{k}": v for k, v in scores.items()})
     return result
