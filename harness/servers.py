@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
 # capture costs start-up time and nothing measured here depends on decode speed.
 SGLANG_EXTRA_ARGS = "--attention-backend triton --disable-cuda-graph"
+
+
+def free_ports_in_a_row(count: int, tries: int = 50) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that were free a moment ago (engine
+    replicas serve on port, port + 1, ...)."""
+    for _ in range(tries):
+        first = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} free ports in a row on 127.0.0.1 after {tries} tries")
 
 
 def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from harness.servers import REPO_ROOT as REPO
-from harness.servers import free_port
+from harness.servers import free_port, free_ports_in_a_row
+from nano_miles.run.config import MAX_REPLICAS
 from nano_miles.observe.run_record import read_jsonl
 
 
@@ -32,7 +33,8 @@ class SupervisedRun:
             text = re.sub(r"^(\[program:\w+\])$", r"\1\nautostart=false", text, flags=re.M)
         self.conf = run_dir / "supervisord.conf"
         self.conf.write_text(text)
-        endpoints = [f"--engine.port={free_port()}",
+        endpoints = [f"--engine.port={free_ports_in_a_row(MAX_REPLICAS)}",
+                     f"--engine.router_port={free_ports_in_a_row(2)}",  # and its Prometheus port
                      f"--rollout.control_endpoint=ipc://{run_dir}/control.sock",
                      f"--reward.endpoint=ipc://{run_dir}/reward.sock",
                      f"--trainer.endpoint=ipc://{run_dir}/trainer.sock",
@@ -73,7 +75,8 @@ class SupervisedRun:
 
     def tail(self, num_chars: int = 4000) -> str:
         parts = []
-        for name in ("supervisord.out", "trainer.log", "rollout.log", "reward.log", "engine.log"):
+        for name in ("supervisord.out", "trainer.log", "rollout.log", "reward.log", "engine.log", "engine_1.log",
+                     "router.log"):
             p = self.run_dir / name
             if p.exists():
                 parts.append(f"--- {name}\n{p.read_text()[-num_chars:]}")

@@ -59,6 +59,7 @@ def test_bad_overrides_are_named(override, match):
     ("--engine.mem_fraction_static=1.5", r"engine.mem_fraction_static must be in \(0, 1\]"),
     ("--engine.extra_args='--x \"y'", r"engine.extra_args must be shell words"),
     ("--engine.router_url=localhost:1", r"engine.router_url"),
+    ("--engine.replicas=5", r"engine.replicas must be in \[1, 4\] \(the engine slots of supervisord.conf\)"),
     ("--trainer.eps_clip=1", r"trainer.eps_clip must be in \(0, 1\)"),
     ("--trainer.dual_clip_c=1", r"trainer.dual_clip_c must be > 1"),
     ("--trainer.endpoint=localhost:5703", r"trainer.endpoint must be a ZeroMQ endpoint"),
@@ -75,6 +76,27 @@ def test_bad_overrides_are_named(override, match):
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
+
+
+def test_replicas_are_engines_started_here_and_get_a_router():
+    with pytest.raises(ConfigError, match=r"engine.replicas starts engines here, engine.urls names engines"):
+        load_config(overrides=["--engine.replicas=2", '--engine.urls=["http://h:1", "http://h:2"]',
+                               "--engine.router_url=http://h:3"])
+    e = load_config(overrides=["--engine.replicas=3", "--engine.port=4000", "--engine.router_port=4100"]).engine
+    assert e.engine_urls == ["http://127.0.0.1:4000", "http://127.0.0.1:4001", "http://127.0.0.1:4002"]
+    assert e.generation_url == "http://127.0.0.1:4100"
+    assert load_config().engine.generation_url == ""  # one engine: generation goes to it directly
+
+
+def test_supervisord_conf_has_a_slot_for_every_replica_a_config_may_ask_for():
+    import configparser
+
+    from nano_miles.run.config import MAX_REPLICAS, REPO_ROOT
+    conf = configparser.RawConfigParser()
+    conf.read(REPO_ROOT / "supervisord.conf")
+    assert 1 + int(conf["program:replica"]["numprocs"]) == MAX_REPLICAS  # engine, then replicas 1..N-1
+    assert int(conf["program:replica"]["numprocs_start"]) == 1
+    assert {"engine", "replica", "router"} <= set(conf["group:nanomiles"]["programs"].split(","))
 
 
 def test_one_weight_per_reward_function():
@@ -127,6 +149,27 @@ def test_engine_command_lines(tmp_path):
     in_place = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
                                                      "--run.pause_mode=in_place"]))
     assert "--disable-radix-cache" in in_place
+    replica = engine_command(load_config(overrides=[f"--model.path={tmp_path}", "--engine.port=1234",
+                                                    "--engine.replicas=3"]), replica=2)
+    assert replica[replica.index("--port") + 1] == "1236"
+
+
+def test_router_command_line():
+    from nano_miles.engine.launch import router_command
+    cmd = router_command(load_config(overrides=["--engine.replicas=2", "--engine.port=1234",
+                                                "--engine.router_port=2000"]))
+    assert cmd[1:3] == ["-m", "sglang_router.launch_router"] and cmd[cmd.index("--port") + 1] == "2000"
+    urls = cmd[cmd.index("--worker-urls") + 1:]
+    assert urls[:2] == ["http://127.0.0.1:1234", "http://127.0.0.1:1235"] and urls[2].startswith("--")
+
+
+@pytest.mark.parametrize("slot", [["--replica=1"], ["--replica=3", "--engine.replicas=3"], ["--router"]])
+def test_an_unused_slot_says_so_and_exits_0(slot):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "nano_miles.engine", *slot], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "is not used: engine.replicas = " in result.stdout, result
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -116,6 +116,7 @@ def pytest_summary(log: str) -> Callable[[str], str]:
 
 
 SWEEP, SYNC = "gpu/policy_sweep.json", "gpu/sync_run.json"
+LARGE = "gpu/large_sync_run_450.json"
 STALE, B16 = "gpu/staleness.json", "gpu/staleness_b16_g8.json"
 TESTS, LAYOUT, WS_GPU = "gpu/gpu_tests.json", "gpu/gpu_tests_layout.json", "gpu/weight_sync_gpu.json"
 S, A = ("runs", 0, "summary"), ("runs", 1, "summary")  # staleness.json: the sync and the async run's summaries
@@ -160,8 +161,17 @@ CLAIMS = [
     C(README, "that policy, shipped: a {} M-parameter Qwen2 and its tokenizer",
       F(WS_CPU, {"shape": "policy"}, "num_params", fmt=lambda v: f"{v / 1e6:.1f}")),
     C(README, "--out runs/policy-medium # {} s on an H200", F(SWEEP, "rows", {"step": 450}, "warmup_s", fmt=num(0))),
-    C(README, "(SGLang's `FlattenedTensorBucket`: {} ms on average in the medium policy's sync run)",
-      F(SYNC, "mean_update_ms", fmt=num(1))),
+    C(README, "(`nano_miles/weights/flat_sender.py`; {} ms p50 at the Qwen2.5-0.5B shape in "
+              "`bench/weight_sync_gpu.py`, where SGLang's stock bucket path took {} ms)",
+      F(WS_GPU, *FLAT, "total_ms", fmt=num(2)), F(WS_GPU, "paths", "bucket-1", "total_ms", fmt=num(2))),
+    C(README, "A first build with half the warm-up went from {} % to {} % held-out in {} sync steps",
+      F(LARGE, "policy_build", "held_out_greedy", fmt=pct(1)),
+      F(LARGE, "eval_curve", lambda c: max(acc for _, _, acc in c), fmt=pct(0)),
+      F(LARGE, "eval_curve", -1, 0)),
+    C(GPU, "The build measured {} % greedy / {} % pass@8",
+      F(LARGE, "policy_build", "held_out_greedy", fmt=pct(1)), F(LARGE, "policy_build", "held_out_pass@8", fmt=pct(1))),
+    C(GPU, "- Weight updates in this run: **{} ms** p50 ({} ms pushing)",
+      F(LARGE, "update_ms_p50", fmt=num(2)), F(LARGE, "push_ms_p50", fmt=num(2))),
     C(README, "on a fresh H200 the sync run's first evaluation took {} s; starting SGLang took {} s in "
               "`bench/weight_sync_gpu.py`",
       F(SYNC, "evals", 0, 2, fmt=num(0)), F(WS_GPU, "sglang_start_s", fmt=num(0))),

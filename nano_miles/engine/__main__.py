@@ -1,8 +1,10 @@
-"""Engine slot process: starts the configured engine, the local engine or SGLang on a GPU.
+"""Engine slot process: starts one configured engine (the local engine or SGLang) or the router.
 
-Run: python -m nano_miles.engine [--config FILE] [--section.key=value ...] [--print]   (usually by supervisord)
-The process replaces itself (exec) with the engine server, so supervisord's signals reach it.
-`--print` shows the command line instead of running it.
+Run: python -m nano_miles.engine [--replica K | --router] [--config FILE] [--section.key=value ...] [--print]
+(usually by supervisord). The process replaces itself (exec) with the server, so supervisord's signals
+reach it. supervisord.conf has a fixed number of engine slots and one router slot; a slot the config
+does not use (replica K >= engine.replicas, or the router of a single engine) says so and exits 0,
+which supervisord takes as done. `--print` shows the command line instead of running it.
 """
 
 import os
@@ -11,13 +13,24 @@ from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.engine.launch import engine_command
+    from nano_miles.engine.launch import engine_command, router_command
     from nano_miles.run.config import REPO_ROOT, parse_config
 
     parser = ArgumentParser(prog="python -m nano_miles.engine", description=__doc__)
-    parser.add_argument("--print", action="store_true", help="print the engine's command line, run nothing")
+    slot = parser.add_mutually_exclusive_group()
+    slot.add_argument("--replica", type=int, default=0, metavar="K",
+                      help="which engine: it serves on engine.port + K (default 0)")
+    slot.add_argument("--router", action="store_true", help="the sglang-router in front of the replicas")
+    parser.add_argument("--print", action="store_true", help="print the command line, run nothing")
     cfg, args = parse_config(argv, parser)
-    cmd = engine_command(cfg)
+    if args.replica < 0:
+        parser.error(f"--replica must be >= 0, not {args.replica}")
+    replicas = cfg.engine.replicas
+    if args.router and replicas == 1 or args.replica >= replicas:
+        what = "the router" if args.router else f"engine slot {args.replica}"
+        print(f"{what} is not used: engine.replicas = {replicas}", flush=True)
+        return 0
+    cmd = router_command(cfg) if args.router else engine_command(cfg, args.replica)
     if args.print:
         print(" ".join(cmd))
         return 0

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from nano_miles.engine.client import EngineClient, EngineError, parse_version
 
+REQUEST_THREADS = 256  # generation requests in flight through the router at once (an engine batches them)
+
 
 class EngineGroup:
     def __init__(self, urls: list[str], *, router_url: str = "", timeout_s: float = 600.0):
@@ -22,6 +24,7 @@ class EngineGroup:
         self.router = EngineClient(router_url or urls[0], timeout_s=timeout_s)
         self.base_url = self.router.base_url
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="engine-fanout")
+        self._requests = ThreadPoolExecutor(max_workers=REQUEST_THREADS, thread_name_prefix="router-requests")
 
     def on_all(self, method: str, *args, **kwargs) -> list:
         """`EngineClient.<method>(*args)` on every engine at once; every answer, in `urls` order."""
@@ -37,8 +40,15 @@ class EngineGroup:
         return results
 
     # ---- generation: through the router
-    def generate(self, *args, **kwargs):
-        return self.router.generate(*args, **kwargs)
+    def generate(self, input_ids, sampling_params, **kwargs):
+        """Like `EngineClient.generate`. The router takes one sampling-params map per request, so a
+        batch with one map per prompt (per-sample seeds) goes as one request per prompt, all at once;
+        the router spreads them over the engines."""
+        if not isinstance(sampling_params, list):
+            return self.router.generate(input_ids, sampling_params, **kwargs)
+        futures = [self._requests.submit(self.router.generate, ids, params, **kwargs)
+                   for ids, params in zip(input_ids, sampling_params, strict=True)]
+        return [f.result() for f in futures]
 
     def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return self.router.score(prompt_ids, response_ids)
@@ -92,9 +102,11 @@ class EngineGroup:
         return self.on_all("update_weights_from_disk", model_path, **kwargs)
 
 
-def make_engine(engine_cfg) -> EngineClient | EngineGroup:
-    """A plain client for one engine without a router; a group otherwise."""
-    urls = engine_cfg.engine_urls
-    if len(urls) == 1 and not engine_cfg.router_url:
-        return EngineClient(urls[0], timeout_s=engine_cfg.request_timeout_s)
-    return EngineGroup(urls, router_url=engine_cfg.router_url, timeout_s=engine_cfg.request_timeout_s)
+def make_engine(engine_cfg, timeout_s: float | None = None) -> EngineClient | EngineGroup:
+    """A plain client for one engine without a router; a group otherwise (`engine.replicas` or `urls`).
+    Requests time out after `timeout_s` (default: `engine.request_timeout_s`)."""
+    urls, router_url = engine_cfg.engine_urls, engine_cfg.generation_url
+    timeout_s = engine_cfg.request_timeout_s if timeout_s is None else timeout_s
+    if len(urls) == 1 and not router_url:
+        return EngineClient(urls[0], timeout_s=timeout_s)
+    return EngineGroup(urls, router_url=router_url, timeout_s=timeout_s)

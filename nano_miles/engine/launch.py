@@ -1,6 +1,7 @@
-"""The engine slot's command line: the local engine or SGLang, from the config (both serve one HTTP contract).
+"""The engine slots' command lines: the local engine or SGLang (both serve one HTTP contract), and the
+router in front of several of them.
 
-Library module of `python -m nano_miles.engine`, which execs this command in the engine slot.
+Library module of `python -m nano_miles.engine`, which execs one of these in each slot of supervisord.conf.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ def is_truncated(cfg: Config) -> bool:
     return cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
 
 
-def engine_command(cfg: Config) -> list[str]:
-    """The argv of the engine server for this config (both speak the same HTTP contract)."""
+def engine_command(cfg: Config, replica: int = 0) -> list[str]:
+    """The argv of engine `replica` (0 .. engine.replicas - 1) for this config; it serves on port + replica."""
     e = cfg.engine
-    common = ["--model-path", str(cfg.model_dir), "--host", e.host, "--port", str(e.port),
+    common = ["--model-path", str(cfg.model_dir), "--host", e.host, "--port", str(e.port + replica),
               "--weight-version", "0", "--random-seed", str(cfg.run.seed)]
     if e.kind == "local":
         return [sys.executable, "-m", "nano_miles.local_engine", *common, "--device", e.device,
@@ -44,3 +45,16 @@ def engine_command(cfg: Config) -> list[str]:
             # one, no new request starts on KV of older weights
             *(["--disable-radix-cache"] if keeps_requests(cfg.run.pause_mode) else []),
             *shlex.split(e.extra_args)]
+
+
+def router_command(cfg: Config) -> list[str]:
+    """The argv of sglang-router in front of the replicas: generation is spread round robin; control
+    calls and weight updates bypass it (nano_miles/engine/group.py)."""
+    e = cfg.engine
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", e.host, "--port", str(e.router_port),
+            "--policy", "round_robin", "--worker-urls", *e.engine_urls,
+            "--prometheus-port", str(e.router_port + 1),  # its default port would clash between runs
+            # A replica killed mid-run opens its circuit: the router retries its requests on another
+            # one and, after this long, tries the restarted replica again (default: a minute).
+            "--cb-timeout-duration-secs", "3", "--health-check-interval-secs", "1",
+            "--log-level", "warn"]  # info logs two lines per request

@@ -16,7 +16,8 @@ import time
 
 import zmq
 
-from nano_miles.engine.client import EngineClient, EngineError
+from nano_miles.engine.client import EngineError
+from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import HOP_REWARD, HOP_TRAINER
 from nano_miles.observe.scrape import scrape, stage_urls
 from nano_miles.run.cli import ArgumentParser, run
@@ -31,14 +32,16 @@ TIMEOUT_S = 2.0
 
 
 def engine_status(cfg: Config) -> tuple[bool, str]:
-    engine = EngineClient(cfg.engine.url, timeout_s=TIMEOUT_S)
+    """Every engine (all replicas) healthy, and the weight version they serve (None: they disagree)."""
+    engine, urls = make_engine(cfg.engine, timeout_s=TIMEOUT_S), cfg.engine.engine_urls
     if not engine.health(TIMEOUT_S):
-        return False, f"no /health answer from {cfg.engine.url}"
+        return False, f"no /health answer from {' or '.join(urls)}"
     try:
         info = engine.model_info()
     except (EngineError, OSError) as e:
         return True, f"healthy, /model_info failed: {e}"
-    return True, f"serving weight version {info.get('weight_version')}"
+    return True, f"serving weight version {info.get('weight_version')}" + (
+        f" ({len(urls)} engines)" if len(urls) > 1 else "")
 
 
 def producer_status(cfg: Config, ctx: zmq.Context) -> tuple[bool, str]:

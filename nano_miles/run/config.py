@@ -24,7 +24,7 @@ from pathlib import Path
 from nano_miles.run.cli import ArgumentParser, UserError, run
 from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
                                   NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
-                                  URL_OR_EMPTY, URLS, above, at_least, checked, one_of)
+                                  URL_OR_EMPTY, URLS, above, at_least, between, checked, one_of)
 from nano_miles.wire.control import PAUSE_MODES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +40,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name s
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
 TRAIN_DTYPES = ("float32", "bfloat16")  # the trainer's compute dtype; weights stay fp32 either way
 LR_SCHEDULES = ("constant", "cosine")
+MAX_REPLICAS = 4  # engine slots in supervisord.conf ([program:engine] numprocs): slots past engine.replicas exit
 
 
 class Section:
@@ -98,11 +99,18 @@ class EngineConfig(Section):
     weight_group_address: str = checked("127.0.0.1", HOST)  # trainer's address as the engines reach it
     weight_group_port: int = checked(0, PORT_OR_FREE)       # 0 = a free local port (single host only)
     weight_group_timeout_s: float = checked(120.0, above(0))
-    urls: list = checked([], URLS)   # several engines: ["http://h1:30000", ...]; [] = host:port
+    replicas: int = checked(1, between(1, MAX_REPLICAS, "the engine slots of supervisord.conf"))  # engines
+                                                      # started here on ports port, port+1, ...; > 1: behind
+                                                      # sglang-router at router_port
+    router_port: int = checked(30100, PORT)           # the router supervisord starts when replicas > 1
+    urls: list = checked([], URLS)   # engines started elsewhere: ["http://h1:30000", ...]; [] = the replicas
     router_url: str = checked("", URL_OR_EMPTY)       # sglang-router in front of `urls`: generation goes through it
 
     def __post_init__(self):
         super().__post_init__()
+        if self.replicas > 1 and (self.urls or self.router_url):
+            raise ConfigError("engine.replicas starts engines here, engine.urls names engines started elsewhere: "
+                              "set one of them")
         if self.kind == "local" and self.dtype not in LOCAL_ENGINE_DTYPES:
             self.refuse("dtype", f"{' or '.join(LOCAL_ENGINE_DTYPES)} with engine.kind=local", self.dtype)
         if self.kind == "local" and self.device not in ("cpu", "cuda"):  # CUDA_VISIBLE_DEVICES picks the GPU
@@ -117,7 +125,12 @@ class EngineConfig(Section):
     @property
     def engine_urls(self) -> list[str]:
         """Every engine that takes control calls and weight updates."""
-        return list(self.urls) or [self.url]
+        return list(self.urls) or [f"http://{self.host}:{self.port + i}" for i in range(self.replicas)]
+
+    @property
+    def generation_url(self) -> str:
+        """Where generation goes: the router in front of several engines, else the one engine ("")."""
+        return self.router_url or (f"http://{self.host}:{self.router_port}" if self.replicas > 1 else "")
 
 
 @dataclass

@@ -37,6 +37,10 @@ def above(low: float) -> Rule:
     return Rule(f"> {low}", lambda v: math.isfinite(v) and v > low)
 
 
+def between(low: int, high: int, why: str = "") -> Rule:
+    return Rule(f"in [{low}, {high}]" + (f" ({why})" if why else ""), lambda v: low <= v <= high)
+
+
 def one_of(*choices: str) -> Rule:
     return Rule(f"one of {', '.join(choices)}", lambda v: v in choices)
 
