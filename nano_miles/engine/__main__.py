@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     if args.replica < 0:
         parser.error(f"--replica must be >= 0, not {args.replica}")
     replicas = cfg.engine.replicas
-    if args.router and replicas == 1 or args.replica >= replicas:
+    if (args.router and replicas == 1) or args.replica >= replicas:
         what = "the router" if args.router else f"engine slot {args.replica}"
         print(f"{what} is not used: engine.replicas = {replicas}", flush=True)
         return 0

@@ -40,7 +40,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name s
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
 TRAIN_DTYPES = ("float32", "bfloat16")  # the trainer's compute dtype; weights stay fp32 either way
 LR_SCHEDULES = ("constant", "cosine")
-MAX_REPLICAS = 4  # engine slots in supervisord.conf ([program:engine] numprocs): slots past engine.replicas exit
+MAX_REPLICAS = 4  # engine slots in supervisord.conf (engine + [program:replica] numprocs); unused slots exit
 
 
 class Section:

@@ -90,13 +90,12 @@ class TensorSender:
         self.path: str | None = None
 
     def choose_path(self, model: torch.nn.Module) -> str:
-        named = trainable_named_tensors(model)
-        if not named or not named[0][1].is_cuda:
+        if not next(model.parameters()).is_cuda:
             return "shared-memory"
         if serves_flat_loader(self.engine.on_all("server_info")):
             return "flat"
-        log.warning("an engine was not started with --custom-weight-loader %s: weights go through "
-                    "SGLang's CUDA-IPC buckets (slower)", FLAT_LOADER)
+        log.warning("an engine does not load the flat buffer (an SGLang started without --custom-weight-loader "
+                    "%s, or the local engine): weights go through CUDA-IPC buckets (slower)", FLAT_LOADER)
         return "bucket"
 
     def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
