@@ -1,22 +1,33 @@
 """Sync vs fully-async GRPO at several staleness bounds, same seeds and sample budget, side by side.
 
 Run: python bench/staleness.py [--staleness=0,1,2,4] [--seeds=0,1,2] [--target-accuracy=+4] [--out=DIR]
-     [--config FILE] [--section.key=value ...]
+     [--replicas=1,2] [--speedup-target=X] [--config FILE] [--section.key=value ...]
      [--keep-runs=DIR: keep the run directories] [--from-runs=DIR: only re-read kept ones]
-On a GPU: python bench/staleness.py --staleness=2 --target-accuracy=0.9 --config configs/gpu.toml
+On a GPU: python bench/staleness.py --staleness=2 --seeds=0 --replicas=1,2 --speedup-target=1.8
+          --target-accuracy=0.9 --config configs/gpu_large.toml --engine.mem_fraction_static=0.15
           --out=bench/results/gpu
 
 Each variant (sync, then async with max_staleness S for each S) is a full pipeline run under the real
 supervisord, once per seed (`--run.seed=N`). Each run's clock starts with its first step (start-up is
 left out). Reported per run: training wall time, samples/s, trainer and engine idle fractions,
-staleness histogram, goodput, reward early/late, held-out accuracy, and the time it took to reach a
+staleness histogram, goodput, reward early/late, held-out accuracy, the mean phase times of a step, and
+the time it took to reach a
 fixed held-out accuracy target, the same for every run: `--target-accuracy=A` is absolute (0.30),
 `--target-accuracy=+N` is N points above the sync runs' mean start accuracy (default +4: on the CPU
 defaults the sync run goes from 23 % to 28 % in its 80 steps). Per variant: the mean and [min, max]
 over seeds of final and max held-out accuracy and of the time to the target.
 
+`--replicas=1,2` runs every variant once per engine count (`--engine.replicas=N`, named "x N").
+
+Speed-up: per engine count, each async variant's samples/s over the sync runs', beside the ideal
+overlap bound taken from the sync runs' own phase times. A sync step is the producer's part
+(generate + score + waiting for the resumed engine) then the trainer's (train + weight update), plus
+evaluation; perfect overlap would make it max(producer, trainer) + evaluation, so the bound is
+sum(step) / sum(max(producer, trainer) + eval) over the sync run's steps after the first.
+
 Targets, one verdict each, on the means over seeds: async S = 2 reaches the accuracy target within
-0.8x the sync runs' time, and its goodput is >= 0.95. Prints the tables and the verdicts; writes
+0.8x the sync runs' time, and its goodput is >= 0.95; with --speedup-target=X also, per engine count,
+async S = 2's samples/s >= X times sync's. Prints the tables and the verdicts; writes
 staleness.json (every run, the per-variant statistics, the verdicts) and staleness.png into --out
 (default bench/results). --config FILE reaches every stage through $NANOMILES_CONFIG.
 """
@@ -39,6 +50,8 @@ DEFAULT_TARGET_ACCURACY = "+4"
 TARGET_STALENESS = 2        # the variant the targets are set for
 TARGET_TIME_RATIO = 0.8     # its time to the accuracy target, over the sync runs' (means over seeds)
 TARGET_GOODPUT = 0.95
+PRODUCER_PHASES = ("generate", "score", "waiting")  # a sync step's share that async overlaps with...
+TRAINER_PHASES = ("train", "update")                # ... this one
 
 
 def run_variant(name: str, seed: int, overrides: list[str], root: Path) -> dict:
@@ -70,9 +83,26 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
     t0 = records[0]["elapsed_s"] - records[0]["step_s"]
     train_s = records[-1]["elapsed_s"] - t0
     summary["evals"] = [[e[0], e[1], max(0.0, e[2] - t0)] for e in summary["evals"]]  # [step, accuracy, s]
+    timed = records[1:] or records  # step 1 pays first-time costs in both modes
     return {"name": name, "seed": seed, "summary": summary, "train_s": train_s, "startup_s": t0,
             "samples_per_s": sum(r["num_samples"] for r in records) / train_s,
+            "phase_s": {p: sum(r["phase_s"][p] for r in timed) / len(timed) for p in PRODUCER_PHASES
+                        + TRAINER_PHASES + ("eval",)},
+            "ideal_overlap_speedup": ideal_overlap_speedup(timed),
             "curve": [[r["elapsed_s"] - t0, r["reward"]] for r in records]}
+
+
+def ideal_overlap_speedup(records: list[dict]) -> float:
+    """How much faster these (sync) steps would be if generation and training overlapped perfectly:
+    sum(step) / sum(max(producer, trainer) + eval), the parts as in the module docstring."""
+    serial = overlapped = 0.0
+    for r in records:
+        phases = r["phase_s"]
+        producer = sum(phases[p] for p in PRODUCER_PHASES)
+        trainer = sum(phases[p] for p in TRAINER_PHASES)
+        serial += producer + trainer + phases["eval"]
+        overlapped += max(producer, trainer) + phases["eval"]
+    return serial / overlapped if overlapped > 0 else 1.0
 
 
 def time_to_reach(evals: list, accuracy: float) -> float | None:
@@ -90,6 +120,23 @@ def resolve_target_accuracy(spec: str, start_accuracies: list[float]) -> float:
     return accuracy
 
 
+def variant_name(mode: str, replicas: int) -> str:
+    return mode if replicas == 1 else f"{mode} x{replicas}"
+
+
+def make_variants(overrides: list[str], staleness: list[int], replicas: list[int]) -> list[dict]:
+    """Sync, then async with each staleness bound; all of it once per engine count."""
+    variants = []
+    for n in replicas:
+        engines = [] if n == 1 else [f"--engine.replicas={n}"]
+        variants.append({"name": variant_name("sync", n), "replicas": n, "staleness": None,
+                         "overrides": overrides + engines})
+        variants += [{"name": variant_name(f"async S={s}", n), "replicas": n, "staleness": s,
+                      "overrides": overrides + engines + ["--run.mode=async", f"--run.max_staleness={s}"]}
+                     for s in staleness]
+    return variants
+
+
 def aggregate(rows: list[dict], target_accuracy: float) -> list[dict]:
     """Per variant, in the order first seen: mean and spread over its seeds of what the verdicts use."""
     names = list(dict.fromkeys(r["name"] for r in rows))
@@ -104,43 +151,76 @@ def aggregate(rows: list[dict], target_accuracy: float) -> list[dict]:
                                             for r in runs]).to_json(),
             "train_s": Spread.of([r["train_s"] for r in runs]).to_json(),
             "samples_per_s": Spread.of([r["samples_per_s"] for r in runs]).to_json(),
+            "ideal_overlap_speedup": Spread.of([r["ideal_overlap_speedup"] for r in runs]).to_json(),
             "goodput": Spread.of([r["summary"]["goodput"] for r in runs]).to_json()})
     return variants
 
 
-def verdicts(variants: list[dict]) -> list[Verdict]:
+def speedups(stats: list[dict], variants: list[dict]) -> list[dict]:
+    """Per engine count and async variant: samples/s over the sync runs' (means over seeds), and the
+    ideal overlap bound of those sync runs."""
+    by_name = {v["name"]: v for v in stats}
+    rows = []
+    for v in variants:
+        sync = by_name.get(variant_name("sync", v["replicas"]))
+        if v["staleness"] is None or sync is None or v["name"] not in by_name:
+            continue
+        ratio = by_name[v["name"]]["samples_per_s"]["mean"] / sync["samples_per_s"]["mean"]
+        ideal = sync["ideal_overlap_speedup"]["mean"]
+        rows.append({"name": v["name"], "replicas": v["replicas"], "staleness": v["staleness"],
+                     "speedup": ratio, "ideal": ideal, "of_ideal": ratio / ideal})
+    return rows
+
+
+def verdicts(stats: list[dict], speedup_rows: list[dict], first_replicas: int,
+             speedup_target: float | None) -> list[Verdict]:
     """One verdict per target, on the means over seeds; none when the S = 2 variant was not run."""
-    by_name = {v["name"]: v for v in variants}
-    target = by_name.get(f"async S={TARGET_STALENESS}")
-    if target is None or "sync" not in by_name:
+    by_name = {v["name"]: v for v in stats}
+    target = by_name.get(variant_name(f"async S={TARGET_STALENESS}", first_replicas))
+    sync = by_name.get(variant_name("sync", first_replicas))
+    if target is None or sync is None:
         return []
-    sync_s, async_s = by_name["sync"]["seconds_to_target"]["mean"], target["seconds_to_target"]["mean"]
+    sync_s, async_s = sync["seconds_to_target"]["mean"], target["seconds_to_target"]["mean"]
     ratio = None if sync_s is None or async_s is None or sync_s <= 0 else async_s / sync_s
     why = "the sync runs did not all reach the target" if sync_s is None else "not reached by every seed"
-    return [Verdict(f"S={TARGET_STALENESS} time to the accuracy target, over sync's", ratio, "<=",
-                    TARGET_TIME_RATIO, "x", 2, why_none=why),
-            Verdict(f"S={TARGET_STALENESS} goodput", target["goodput"]["mean"], ">=", TARGET_GOODPUT, "", 3)]
+    checks = [Verdict(f"{target['name']} time to the accuracy target, over sync's", ratio, "<=",
+                      TARGET_TIME_RATIO, "x", 2, why_none=why),
+              Verdict(f"{target['name']} goodput", target["goodput"]["mean"], ">=", TARGET_GOODPUT, "", 3)]
+    if speedup_target is not None:
+        checks += [Verdict(f"{row['name']} samples/s over sync's", row["speedup"], ">=", speedup_target, "x", 2)
+                   for row in speedup_rows if row["staleness"] == TARGET_STALENESS]
+    return checks
+
+
+def print_speedups(rows: list[dict]) -> None:
+    print(f"\nsamples/s over sync's, with the same engines\n{'run':<16} {'engines':>7} {'speed-up':>9} "
+          f"{'ideal':>6} {'of ideal':>9}")
+    for row in rows:
+        print(f"{row['name']:<16} {row['replicas']:>7} {row['speedup']:>8.2f}x {row['ideal']:>5.2f}x "
+              f"{100 * row['of_ideal']:>8.0f}%")
 
 
 def print_runs(rows: list[dict], target_accuracy: float) -> None:
-    print(f"\n{'run':<11} {'seed':>4} {'train s':>7} {'samples/s':>9} {'idle tr/eng':>11} {'goodput':>7} "
-          f"{'reward e->l':>12} {'acc end/max':>11} {f't({100 * target_accuracy:.1f}%)':>9}  staleness")
+    print(f"\n{'run':<16} {'seed':>4} {'train s':>7} {'samples/s':>9} {'idle tr/eng':>11} {'goodput':>7} "
+          f"{'reward e->l':>12} {'acc end/max':>11} {f't({100 * target_accuracy:.1f}%)':>9}  "
+          f"{'gen/score/wait/train/upd/eval s':>33}  staleness")
     for row in rows:
         s = row["summary"]
         reach = row["seconds_to_target"]
         eng = s.get("engine_idle_fraction")
-        print(f"{row['name']:<11} {row['seed']:>4} {row['train_s']:>7.0f} {row['samples_per_s']:>9.1f} "
+        phases = "/".join(f"{row['phase_s'][p]:.2f}" for p in PRODUCER_PHASES + TRAINER_PHASES + ("eval",))
+        print(f"{row['name']:<16} {row['seed']:>4} {row['train_s']:>7.0f} {row['samples_per_s']:>9.1f} "
               f"{s['trainer_idle_fraction']:>5.2f}/{(eng if eng is not None else float('nan')):<5.2f} "
               f"{(s['goodput'] or 0):>7.3f} {s['reward_early']:>5.3f}->{s['reward_late']:<5.3f} "
               f"{100 * s['eval_accuracy_end']:>5.1f}/{100 * s['eval_accuracy_max']:<5.1f} "
-              f"{'-' if reach is None else f'{reach:.0f}s':>9}  {s['staleness_hist']}")
+              f"{'-' if reach is None else f'{reach:.0f}s':>9}  {phases:>33}  {s['staleness_hist']}")
 
 
 def print_variants(variants: list[dict]) -> None:
-    print(f"\nmean [min, max] over seeds\n{'run':<11} {'acc end %':>20} {'acc max %':>20} {'t(target) s':>22} "
+    print(f"\nmean [min, max] over seeds\n{'run':<16} {'acc end %':>20} {'acc max %':>20} {'t(target) s':>22} "
           f"{'samples/s':>20}")
     for v in variants:
-        print(f"{v['name']:<11} {Spread(**v['accuracy_end']).text('.1f', 100):>20} "
+        print(f"{v['name']:<16} {Spread(**v['accuracy_end']).text('.1f', 100):>20} "
               f"{Spread(**v['accuracy_max']).text('.1f', 100):>20} "
               f"{Spread(**v['seconds_to_target']).text('.0f'):>22} "
               f"{Spread(**v['samples_per_s']).text('.0f'):>20}")
@@ -176,16 +256,20 @@ def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
-    staleness, seeds, target_spec = [0, 1, 2, 4], [0, 1, 2], DEFAULT_TARGET_ACCURACY
-    out_dir, keep_runs, from_runs, rest = RESULTS, None, None, []
+    staleness, seeds, replicas, target_spec = [0, 1, 2, 4], [0, 1, 2], [1], DEFAULT_TARGET_ACCURACY
+    out_dir, keep_runs, from_runs, speedup_target, rest = RESULTS, None, None, None, []
     args = iter(argv)
     for arg in args:
         if arg.startswith("--staleness="):
             staleness = [int(x) for x in arg.split("=", 1)[1].split(",")]
         elif arg.startswith("--seeds="):
             seeds = [int(x) for x in arg.split("=", 1)[1].split(",")]
+        elif arg.startswith("--replicas="):
+            replicas = [int(x) for x in arg.split("=", 1)[1].split(",")]
         elif arg.startswith("--target-accuracy="):
             target_spec = arg.split("=", 1)[1]
+        elif arg.startswith("--speedup-target="):
+            speedup_target = float(arg.split("=", 1)[1])
         elif arg.startswith("--out="):
             out_dir = Path(arg.split("=", 1)[1])
         elif arg.startswith("--keep-runs="):  # keep each run's directory (logs, metrics.jsonl) here
@@ -198,24 +282,28 @@ def main(argv: list[str]) -> int:
             rest.append(arg)
     # The CPU defaults; a --config file's own sizes stand as written.
     overrides = ([] if "NANOMILES_CONFIG" in os.environ else DEFAULTS) + rest
-    variants = [("sync", overrides)] + [
-        (f"async S={s}", overrides + ["--run.mode=async", f"--run.max_staleness={s}"]) for s in staleness]
+    variants = make_variants(overrides, staleness, replicas)
+    names = [v["name"] for v in variants]
     if from_runs is not None:
-        rows = [read_run(name, seed, from_runs / run_dir_name(name, seed))
-                for seed in seeds for name, _ in variants]
+        rows = [read_run(name, seed, from_runs / run_dir_name(name, seed)) for seed in seeds for name in names]
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = [run_variant(name, seed, ov, keep_runs or Path(tmp)) for seed in seeds for name, ov in variants]
-    rows.sort(key=lambda r: [name for name, _ in variants].index(r["name"]))  # variant by variant
+            rows = [run_variant(v["name"], seed, v["overrides"], keep_runs or Path(tmp))
+                    for seed in seeds for v in variants]
+    rows.sort(key=lambda r: names.index(r["name"]))  # variant by variant
+    sync_name = variant_name("sync", replicas[0])
     target_accuracy = resolve_target_accuracy(
-        target_spec, [r["summary"]["eval_accuracy_start"] for r in rows if r["name"] == "sync"])
+        target_spec, [r["summary"]["eval_accuracy_start"] for r in rows if r["name"] == sync_name])
     for row in rows:
         row["seconds_to_target"] = time_to_reach(row["summary"]["evals"], target_accuracy)
     print(f"held-out accuracy target: {100 * target_accuracy:.1f} % (--target-accuracy={target_spec})")
     print_runs(rows, target_accuracy)
     stats = aggregate(rows, target_accuracy)
     print_variants(stats)
-    checks = verdicts(stats)
+    speedup_rows = speedups(stats, variants)
+    if speedup_rows:
+        print_speedups(speedup_rows)
+    checks = verdicts(stats, speedup_rows, replicas[0], speedup_target)
     if checks:
         print_verdicts(checks)
     else:
@@ -224,7 +312,8 @@ def main(argv: list[str]) -> int:
     config = os.environ.get("NANOMILES_CONFIG", "configs/default.toml")
     (out_dir / "staleness.json").write_text(json.dumps({
         "config": config, "overrides": overrides, "seeds": seeds, "target_accuracy": target_accuracy,
-        "target_accuracy_spec": target_spec, "runs": rows, "variants": stats,
+        "target_accuracy_spec": target_spec, "replicas": replicas, "runs": rows, "variants": stats,
+        "speedups": speedup_rows,
         "verdicts": [v.to_json() for v in checks]}, indent=2))
     plot(rows, target_accuracy, out_dir / "staleness.png")
     print(f"\nwrote {out_dir / 'staleness.json'} and staleness.png")
