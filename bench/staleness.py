@@ -285,7 +285,14 @@ def main(argv: list[str]) -> int:
     variants = make_variants(overrides, staleness, replicas)
     names = [v["name"] for v in variants]
     if from_runs is not None:
-        rows = [read_run(name, seed, from_runs / run_dir_name(name, seed)) for seed in seeds for name in names]
+        kept = [(name, seed) for seed in seeds for name in names
+                if (from_runs / run_dir_name(name, seed) / "summary.json").is_file()]
+        missing = [run_dir_name(name, seed) for seed in seeds for name in names if (name, seed) not in kept]
+        if missing:  # a run cut short leaves no summary: the tables show the rest
+            print(f"not in {from_runs} (or unfinished): {', '.join(missing)}")
+        if not kept:
+            raise SystemExit(f"no finished run under {from_runs}")
+        rows = [read_run(name, seed, from_runs / run_dir_name(name, seed)) for name, seed in kept]
     else:
         with tempfile.TemporaryDirectory() as tmp:
             rows = [run_variant(v["name"], seed, v["overrides"], keep_runs or Path(tmp))

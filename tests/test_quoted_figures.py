@@ -88,6 +88,11 @@ def first_reached(accuracy: float, *, since_start: bool = True) -> Callable[[dic
     return read
 
 
+def step_at(accuracy: float) -> Callable[[dict], int | None]:
+    """The step of the first evaluation at or above `accuracy` (None if none was)."""
+    return lambda summary: next((e[0] for e in summary["evals"] if e[1] >= accuracy - 1e-9), None)
+
+
 def step_of_max(summary: dict) -> int:
     return next(step for step, acc, _ in summary["evals"] if acc == summary["eval_accuracy_max"])
 
@@ -116,7 +121,7 @@ def pytest_summary(log: str) -> Callable[[str], str]:
 
 
 SWEEP, SYNC = "gpu/policy_sweep.json", "gpu/sync_run.json"
-LARGE = "gpu/large_sync_run_450.json"
+LARGE, LARGE_RL = "gpu/large_sync_run_450.json", "gpu/staleness_large.json"
 STALE, B16 = "gpu/staleness.json", "gpu/staleness_b16_g8.json"
 TESTS, LAYOUT, WS_GPU = "gpu/gpu_tests.json", "gpu/gpu_tests_layout.json", "gpu/weight_sync_gpu.json"
 S, A = ("runs", 0, "summary"), ("runs", 1, "summary")  # staleness.json: the sync and the async run's summaries
@@ -162,12 +167,40 @@ CLAIMS = [
       F(WS_CPU, {"shape": "policy"}, "num_params", fmt=lambda v: f"{v / 1e6:.1f}")),
     C(README, "--out runs/policy-medium # {} s on an H200", F(SWEEP, "rows", {"step": 450}, "warmup_s", fmt=num(0))),
     C(README, "(`nano_miles/weights/flat_sender.py`; {} ms p50 at the Qwen2.5-0.5B shape in "
-              "`bench/weight_sync_gpu.py`, where SGLang's stock bucket path took {} ms)",
-      F(WS_GPU, *FLAT, "total_ms", fmt=num(2)), F(WS_GPU, "paths", "bucket-1", "total_ms", fmt=num(2))),
-    C(README, "A first build with half the warm-up went from {} % to {} % held-out in {} sync steps",
-      F(LARGE, "policy_build", "held_out_greedy", fmt=pct(1)),
-      F(LARGE, "eval_curve", lambda c: max(acc for _, _, acc in c), fmt=pct(0)),
-      F(LARGE, "eval_curve", -1, 0)),
+              "`bench/weight_sync_gpu.py`, where SGLang's stock bucket path took {} ms; {} ms p50 per update "
+              "inside a pipeline run on that model)",
+      F(WS_GPU, *FLAT, "total_ms", fmt=num(2)), F(WS_GPU, "paths", "bucket-1", "total_ms", fmt=num(2)),
+      F(WS_GPU, "in_loop", "update_p50_ms", fmt=num(2))),
+    C(README, "On one H200 the sync run went from {} % to {} % held-out in {} steps and {} s of training "
+              "(peak {} %); async S=2 produced {}× the samples/s",
+      F(LARGE_RL, "runs", 0, "summary", "eval_accuracy_start", fmt=pct(1)),
+      F(LARGE_RL, "target_accuracy", fmt=pct(0)),
+      F(LARGE_RL, "runs", 0, "summary", step_at(0.9)),
+      F(LARGE_RL, "runs", 0, "seconds_to_target", fmt=num(0)),
+      F(LARGE_RL, "runs", 0, "summary", "eval_accuracy_max", fmt=pct(0)),
+      F(LARGE_RL, "speedups", 0, "speedup", fmt=num(2))),
+    C(GPU, "| sync | {} | {} | {} → {} / {} % | step {}, **{} s** | {} |",
+      F(LARGE_RL, "runs", 0, "train_s", fmt=num(0)), F(LARGE_RL, "runs", 0, "samples_per_s", fmt=num(0)),
+      *(F(LARGE_RL, "runs", 0, "summary", k, fmt=pct(1))
+        for k in ("eval_accuracy_start", "eval_accuracy_max", "eval_accuracy_end")),
+      F(LARGE_RL, "runs", 0, "summary", step_at(0.9)),
+      F(LARGE_RL, "runs", 0, "seconds_to_target", fmt=num(0)), F(LARGE_RL, "runs", 0, "summary", "goodput", fmt=num(3))),
+    C(GPU, "| async S=2 | {} | {} (**{}×**) | {} → {} / {} % | step {}, {} s | {} |",
+      F(LARGE_RL, "runs", 1, "train_s", fmt=num(0)), F(LARGE_RL, "runs", 1, "samples_per_s", fmt=num(0)),
+      F(LARGE_RL, "speedups", 0, "speedup", fmt=num(2)),
+      *(F(LARGE_RL, "runs", 1, "summary", k, fmt=pct(1))
+        for k in ("eval_accuracy_start", "eval_accuracy_max", "eval_accuracy_end")),
+      F(LARGE_RL, "runs", 1, "summary", step_at(0.9)),
+      F(LARGE_RL, "runs", 1, "seconds_to_target", fmt=num(0)), F(LARGE_RL, "runs", 1, "summary", "goodput", fmt=num(3))),
+    C(GPU, "| sync, 2 engines | {} | {} |", F(LARGE_RL, "runs", 2, "train_s", fmt=num(0)),
+      F(LARGE_RL, "runs", 2, "samples_per_s", fmt=num(0))),
+    C(GPU, "**Async S=2 is {}× sync's samples/s, and the ideal overlap bound of the sync run is {}×**",
+      F(LARGE_RL, "speedups", 0, "speedup", fmt=num(2)), F(LARGE_RL, "speedups", 0, "ideal", fmt=num(2))),
+    C(GPU, "| update (`update_ms`: push + telling the producer) | {} | {} |",
+      F(WS_GPU, "in_loop", "update_p50_ms", fmt=num(2)), F(WS_GPU, "in_loop", "update_p90_ms", fmt=num(2))),
+    C(GPU, "| push (gather {} + serialize {} + apply {}) | {} | |",
+      *(F(WS_GPU, "in_loop", "split_p50_ms", k, fmt=num(2)) for k in ("gather", "serialize", "apply")),
+      F(WS_GPU, "in_loop", "push_p50_ms", fmt=num(2))),
     C(GPU, "The build measured {} % greedy / {} % pass@8",
       F(LARGE, "policy_build", "held_out_greedy", fmt=pct(1)), F(LARGE, "policy_build", "held_out_pass@8", fmt=pct(1))),
     C(GPU, "- Weight updates in this run: **{} ms** p50 ({} ms pushing)",
