@@ -75,6 +75,23 @@ def test_router_spreads_generation_over_both_engines(two_engines, router_url):
     assert all(a > b for a, b in zip(after, before)), f"forward steps {before} -> {after}"
 
 
+def test_a_group_goes_to_one_engine_as_one_request(two_engines, router_url):
+    """Per-sample maps that differ only in their seeds: one request, so one engine takes the whole
+    group; its samples still draw apart. Maps that differ otherwise go one request per sample."""
+    group = EngineGroup(two_engines, router_url=router_url, timeout_s=60)
+    params = [{"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": i} for i in range(8)]
+    for _ in range(3):
+        before = [forward_steps(u) for u in two_engines]
+        outs = group.generate([PROMPT] * 8, params)
+        moved = [a - b for a, b in zip([forward_steps(u) for u in two_engines], before)]
+        assert sorted(m > 0 for m in moved) == [False, True], f"forward steps moved by {moved}"
+        assert [len(o["output_ids"]) for o in outs] == [6] * 8
+        assert len({tuple(o["output_ids"]) for o in outs}) > 1, "every sample drew the same tokens"
+    budgets = [{**p, "max_new_tokens": 2 + i % 2} for i, p in enumerate(params)]  # resumed samples
+    outs = group.generate([PROMPT] * 8, budgets)
+    assert [len(o["output_ids"]) for o in outs] == [2 + i % 2 for i in range(8)]
+
+
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_weight_update_reaches_every_engine(two_engines, router_url, policy_dir, transport):
     group = EngineGroup(two_engines, router_url=router_url, timeout_s=60)

@@ -41,11 +41,19 @@ class EngineGroup:
 
     # ---- generation: through the router
     def generate(self, input_ids, sampling_params, **kwargs):
-        """Like `EngineClient.generate`. The router takes one sampling-params map per request, so a
-        batch with one map per prompt (per-sample seeds) goes as one request per prompt, all at once;
-        the router spreads them over the engines."""
+        """Like `EngineClient.generate`, through the router, which takes one sampling map per request.
+
+        A batch whose maps differ only in `sampling_seed` (a fresh group) goes as one request with
+        the seeds left out: one engine generates the whole group, as it would without a router, and
+        its samples draw from the engine's generator (one seed in a shared map would give them all
+        the same draws). Other batches (samples resumed with different budgets) go as one request
+        per sample, all at once. Per-group requests matter on a GPU: SGLang's cost is per request,
+        and one per sample made generation through the router slower than one engine alone."""
         if not isinstance(sampling_params, list):
             return self.router.generate(input_ids, sampling_params, **kwargs)
+        unseeded = [{k: v for k, v in params.items() if k != "sampling_seed"} for params in sampling_params]
+        if all(params == unseeded[0] for params in unseeded):
+            return self.router.generate(input_ids, unseeded[0], **kwargs)
         futures = [self._requests.submit(self.router.generate, ids, params, **kwargs)
                    for ids, params in zip(input_ids, sampling_params, strict=True)]
         return [f.result() for f in futures]

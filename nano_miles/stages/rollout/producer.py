@@ -169,7 +169,8 @@ class RolloutProducer:
         finish = [""] * r.group_size
         pending = list(range(r.group_size))
         for segment in range(MAX_SEGMENTS_PER_SAMPLE):
-            # a sample's draws are a function of what it is (run seed, group, attempt, sample, segment)
+            # a sample's draws are a function of what it is (run seed, group, attempt, sample, segment);
+            # through a router a fresh group goes as one request without them (engine/group.py)
             params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
                        "top_p": r.top_p, "top_k": r.top_k, "stop_token_ids": self.stop_token_ids,
                        "sampling_seed": sampling_seed(self.cfg.run.seed, group_id, attempt, i, segment)}
