@@ -190,3 +190,22 @@ def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
     result = subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and str(tmp_path) in result.stdout
+
+
+@pytest.mark.parametrize("preset", [None, "true"])
+def test_sglang_health_checks_do_not_generate(tmp_path, preset):
+    """SGLang's /health would hold the weight-update lock for up to a second (launch.engine_env); a
+    value the user set wins. The local engine gets no such variable."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"}
+    if preset:
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = preset
+    printed = {kind: subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
+                                     f"--engine.kind={kind}", "--print"], env=env, capture_output=True, text=True,
+                                    timeout=60).stdout.split()
+               for kind in ("sglang", "local")}
+    assert printed["sglang"][0] == f"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION={preset or 'false'}", printed
+    assert printed["local"][0] == sys.executable, printed

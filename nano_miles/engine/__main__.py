@@ -13,7 +13,7 @@ from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.engine.launch import engine_command, router_command
+    from nano_miles.engine.launch import engine_command, engine_env, router_command
     from nano_miles.run.config import REPO_ROOT, parse_config
 
     parser = ArgumentParser(prog="python -m nano_miles.engine", description=__doc__)
@@ -31,9 +31,11 @@ def main(argv: list[str]) -> int:
         print(f"{what} is not used: engine.replicas = {replicas}", flush=True)
         return 0
     cmd = router_command(cfg) if args.router else engine_command(cfg, args.replica)
+    env = {} if args.router else {k: os.environ.get(k, v) for k, v in engine_env(cfg).items()}
     if args.print:
-        print(" ".join(cmd))
+        print(" ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]))
         return 0
+    os.environ.update(env)
     # the server (and SGLang's scheduler processes, which import the flat loader) find this checkout
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     os.execv(cmd[0], cmd)
