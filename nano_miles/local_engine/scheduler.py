@@ -127,12 +127,18 @@ class Scheduler:
             if not self.is_alive:
                 raise SchedulerStopped("the engine's scheduler stopped")
 
-    def release(self, reqs: list[Request]) -> None:
-        """The handler is done with these requests (response written or abandoned)."""
+    def retire(self, reqs: list[Request]) -> None:
+        """These requests' rids are free again: their answer is about to be written, and a client may
+        send the next request under the same rid as soon as it has read it."""
         with self._cond:
             for r in reqs:
                 self._active.pop(r.rid, None)
-                r.responded.set()
+
+    def release(self, reqs: list[Request]) -> None:
+        """The handler is done with these requests (response written or abandoned)."""
+        self.retire(reqs)
+        for r in reqs:
+            r.responded.set()
 
     def run_in_loop(self, fn: Callable, timeout_s: float):
         """Run `fn()` on the scheduler thread at the next step boundary and return its result.

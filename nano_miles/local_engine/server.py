@@ -177,6 +177,7 @@ class EngineHandler(BaseHTTPRequestHandler):
                 state.scheduler.wait(r)
             outputs = [generate_response(r) for r in reqs]
             state.metrics.count_generated(reqs)
+            state.scheduler.retire(reqs)
             self._json(200, outputs if is_batch else outputs[0])
         finally:
             state.scheduler.release(reqs)
