@@ -52,6 +52,7 @@ TARGET_TIME_RATIO = 0.8     # its time to the accuracy target, over the sync run
 TARGET_GOODPUT = 0.95
 PRODUCER_PHASES = ("generate", "score", "waiting")  # a sync step's share that async overlaps with...
 TRAINER_PHASES = ("train", "update")                # ... this one
+PHASES = PRODUCER_PHASES + TRAINER_PHASES + ("eval",)
 
 
 def run_variant(name: str, seed: int, overrides: list[str], root: Path) -> dict:
@@ -86,9 +87,9 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
     timed = records[1:] or records  # step 1 pays first-time costs in both modes
     return {"name": name, "seed": seed, "summary": summary, "train_s": train_s, "startup_s": t0,
             "samples_per_s": sum(r["num_samples"] for r in records) / train_s,
-            "phase_s": {p: sum(r["phase_s"][p] for r in timed) / len(timed) for p in PRODUCER_PHASES
-                        + TRAINER_PHASES + ("eval",)},
-            "ideal_overlap_speedup": ideal_overlap_speedup(timed),
+            "phase_s": {p: sum(r["phase_s"][p] for r in timed) / len(timed) for p in PHASES},
+            # a bound on overlapping a serial step: defined for sync runs (None for async ones)
+            "ideal_overlap_speedup": ideal_overlap_speedup(timed) if name.startswith("sync") else None,
             "curve": [[r["elapsed_s"] - t0, r["reward"]] for r in records]}
 
 
@@ -208,7 +209,7 @@ def print_runs(rows: list[dict], target_accuracy: float) -> None:
         s = row["summary"]
         reach = row["seconds_to_target"]
         eng = s.get("engine_idle_fraction")
-        phases = "/".join(f"{row['phase_s'][p]:.2f}" for p in PRODUCER_PHASES + TRAINER_PHASES + ("eval",))
+        phases = "/".join(f"{row['phase_s'][p]:.2f}" for p in PHASES)
         print(f"{row['name']:<16} {row['seed']:>4} {row['train_s']:>7.0f} {row['samples_per_s']:>9.1f} "
               f"{s['trainer_idle_fraction']:>5.2f}/{(eng if eng is not None else float('nan')):<5.2f} "
               f"{(s['goodput'] or 0):>7.3f} {s['reward_early']:>5.3f}->{s['reward_late']:<5.3f} "
