@@ -77,10 +77,15 @@ def training_s(summary: dict) -> float:
     return summary["evals"][-1][2] - summary["evals"][0][2]
 
 
+def first_eval_at(summary: dict, accuracy: float) -> list | None:
+    """The first evaluation [step, accuracy, s, ...] at or above `accuracy`, or None."""
+    return next((e for e in summary["evals"] if e[1] >= accuracy - 1e-9), None)
+
+
 def first_reached(accuracy: float, *, since_start: bool = True) -> Callable[[dict], str]:
     """`step N, T s` of the first evaluation at or above `accuracy`, or `not in N steps`."""
     def read(summary: dict) -> str:
-        hit = next((e for e in summary["evals"] if e[1] >= accuracy - 1e-9), None)
+        hit = first_eval_at(summary, accuracy)
         if hit is None:
             return f"not in {summary['num_steps']} steps"
         t0 = summary["evals"][0][2] if since_start else 0.0
@@ -90,7 +95,7 @@ def first_reached(accuracy: float, *, since_start: bool = True) -> Callable[[dic
 
 def step_at(accuracy: float) -> Callable[[dict], int | None]:
     """The step of the first evaluation at or above `accuracy` (None if none was)."""
-    return lambda summary: next((e[0] for e in summary["evals"] if e[1] >= accuracy - 1e-9), None)
+    return lambda summary: (first_eval_at(summary, accuracy) or [None])[0]
 
 
 def step_of_max(summary: dict) -> int:
