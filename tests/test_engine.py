@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import start_engine, stop_process
-from nano_miles.engine.client import EngineClient, EngineError, parse_output
+from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache, parse_output
 
 PROMPT = [10, 20, 30, 40, 50, 60]
 PROMPTS = [[11 + i, 12 + 2 * i, 40, 41 + i][: 2 + i % 3] + [7] * (i % 5) for i in range(16)]
@@ -254,6 +254,7 @@ def test_control_errors_and_unknown_paths(engine_url, client):
         client.pause("sideways")
     assert e.value.status == 400 and "mode" in e.value.message
     assert client.flush_cache().startswith("Cache flushed")
+    assert not has_prefix_cache(client)  # nothing to flush: the trainer's updates skip it
     health_generate = lambda: urllib.request.urlopen(engine_url + "/health_generate", timeout=30).status
     assert health_generate() == 200
     client.pause("in_place")

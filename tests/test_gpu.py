@@ -164,6 +164,12 @@ def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, pol
     assert mean_abs_gap(restored, reference_scores) < 1e-3
 
 
+def test_prefix_cache_is_reported(sglang_url):
+    """Started for abort-mode pauses, SGLang keeps its radix cache: the trainer's updates must flush it."""
+    from nano_miles.engine.client import has_prefix_cache
+    assert has_prefix_cache(EngineClient(sglang_url))
+
+
 def test_pause_modes(sglang_url, prompts):
     client = EngineClient(sglang_url)
     long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}

@@ -211,7 +211,8 @@ class EngineHandler(BaseHTTPRequestHandler):
                          "model_path": state.model_path, "host": state.host, "port": state.port,
                          "device": state.device, "dtype": state.dtype, "context_length": state.context_len,
                          "max_running_requests": state.scheduler.max_running_requests,
-                         "skip_tokenizer_init": True, "internal_states": [state.scheduler.stats()]})
+                         "skip_tokenizer_init": True, "disable_radix_cache": True,  # no prefix cache
+                         "internal_states": [state.scheduler.stats()]})
 
     def metrics(self):
         self._send(200, self.server.state.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")

@@ -16,7 +16,7 @@ from typing import Callable
 
 import zmq
 
-from nano_miles.engine.client import EngineClient, EngineError
+from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache
 from nano_miles.engine.group import make_engine
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
@@ -141,7 +141,8 @@ class Peers:
         if not is_idle:
             self.engine.pause(mode)
         t1 = time.perf_counter()
-        flush_cache = is_idle or not keeps_requests(mode)  # kept requests hold KV: SGLang cannot flush then
+        # kept requests hold KV: SGLang cannot flush then; an engine without a prefix cache never needs to
+        flush_cache = (is_idle or not keeps_requests(mode)) and has_prefix_cache(self.engine)
         push = self.sender.push(model, version, flush_cache=flush_cache)
         t2 = time.perf_counter()
         if not is_idle:
