@@ -129,6 +129,7 @@ SWEEP, SYNC = "gpu/policy_sweep.json", "gpu/sync_run.json"
 LARGE, LARGE_RL = "gpu/large_sync_run_450.json", "gpu/staleness_large.json"
 STALE, B16 = "gpu/staleness.json", "gpu/staleness_b16_g8.json"
 TESTS, LAYOUT, WS_GPU = "gpu/gpu_tests.json", "gpu/gpu_tests_layout.json", "gpu/weight_sync_gpu.json"
+ENGINES, WAKEUP, SUITE2 = "gpu/staleness_engines.json", "gpu/update_wakeup.json", "gpu/gpu_tests_replicas.json"
 S, A = ("runs", 0, "summary"), ("runs", 1, "summary")  # staleness.json: the sync and the async run's summaries
 WS_CPU = "weight_sync.json"
 FLAT, ONE = ("paths", "flat"), ("paths", "one-tensor")
@@ -144,6 +145,31 @@ def update_row(path: str) -> Claim:
     p = ("paths", path)
     return C(GPU, f"| {path} | {{}} | {{}} | {{}} | {{}} | {{}} |",
              *(F(WS_GPU, *p, k, fmt=num(2)) for k in ("total_ms", "p90_ms", "gather_ms", "serialize_ms", "apply_ms")))
+
+
+def engines_row(i: int, label: str, speedup: int | None) -> Claim:
+    """A row of the sync/async x 1/2 engines table; `speedup`: its index in the speed-up rows (async)."""
+    run = ("runs", i)
+    speed = [] if speedup is None else [F(ENGINES, "speedups", speedup, "speedup", fmt=num(2))]
+    gen = [] if speedup is not None else [F(ENGINES, *run, "phase_s", "generate", fmt=num(2))]
+    return C(GPU, f"| {label} | {{}} | {{}}{' (**{}×**)' if speed else ''} | {{}} → {{}} / {{}} % | {{}} s | {{}} | "
+                  f"{'–' if speed else '{}'} / {{}} | {{}} |",
+             F(ENGINES, *run, "train_s", fmt=num(0)), F(ENGINES, *run, "samples_per_s", fmt=num(0)), *speed,
+             *(F(ENGINES, *run, "summary", k, fmt=pct(1))
+               for k in ("eval_accuracy_start", "eval_accuracy_max", "eval_accuracy_end")),
+             F(ENGINES, *run, "summary", lambda s: first_eval_at(s, 0.85)[2], fmt=num(0)),
+             F(ENGINES, *run, "summary", "goodput", fmt=num(3)), *gen,
+             F(ENGINES, *run, "phase_s", "train", fmt=num(2)), F(ENGINES, *run, "summary", "mean_update_ms", fmt=num(1)))
+
+
+def wakeup_row(label: str, condition: str) -> Claim:
+    return C(GPU, f"| {label} | {{}} | {{}} |",
+             *(F(WAKEUP, "pause_modes", mode, condition, "apply_ms", fmt=num(2)) for mode in ("in_place", "abort")))
+
+
+def suite_counts(summary: str) -> str:
+    """`7 passed, 2 skipped` from a pytest summary line (deselected ones left out)."""
+    return ", ".join(re.findall(r"\d+ (?:passed|skipped|failed)", summary))
 
 
 CLAIMS = [
@@ -197,7 +223,7 @@ CLAIMS = [
         for k in ("eval_accuracy_start", "eval_accuracy_max", "eval_accuracy_end")),
       F(LARGE_RL, "runs", 1, "summary", step_at(0.9)),
       F(LARGE_RL, "runs", 1, "seconds_to_target", fmt=num(0)), F(LARGE_RL, "runs", 1, "summary", "goodput", fmt=num(3))),
-    C(GPU, "| sync, 2 engines | {} | {} |", F(LARGE_RL, "runs", 2, "train_s", fmt=num(0)),
+    C(GPU, "| sync, 2 engines (before the fixes below) | {} | {} |", F(LARGE_RL, "runs", 2, "train_s", fmt=num(0)),
       F(LARGE_RL, "runs", 2, "samples_per_s", fmt=num(0))),
     C(GPU, "**Async S=2 is {}× sync's samples/s, and the ideal overlap bound of the sync run is {}×**",
       F(LARGE_RL, "speedups", 0, "speedup", fmt=num(2)), F(LARGE_RL, "speedups", 0, "ideal", fmt=num(2))),
@@ -217,6 +243,38 @@ CLAIMS = [
       F(SWEEP, "rows", {"step": 450}, "step"), F(SWEEP, "rows", {"step": 450}, "greedy_accuracy", fmt=pct(0))),
     C(README, "On one H200 the sync run above reached {} % in {} steps and {} s of training",
       F(SYNC, "eval_accuracy_max", fmt=pct(0)), F(SYNC, "num_steps"), F(SYNC, training_s, fmt=num(0))),
+    C(README, "two engines behind the router now serve the large policy as fast as one ({} against {} samples/s "
+              "in sync; {} before a group went as one request)",
+      F(ENGINES, "runs", 2, "samples_per_s", fmt=num(0)), F(ENGINES, "runs", 0, "samples_per_s", fmt=num(0)),
+      F(LARGE_RL, "runs", 2, "samples_per_s", fmt=num(0))),
+    # bench/results/gpu/README.md: sync/async x 1/2 engines after the router fixes
+    engines_row(0, "sync", None), engines_row(1, "async S=2", 0),
+    engines_row(2, "sync, 2 engines", None), engines_row(3, "async S=2, 2 engines", 1),
+    C(GPU, "**Async S=2 is {}× sync on one engine and {}× on two, against ideal overlap bounds of {}× and {}×** "
+           "from the sync runs' own phase times: {} % and {} % of the bound.",
+      *(F(ENGINES, "speedups", k, "speedup", fmt=num(2)) for k in (0, 1)),
+      *(F(ENGINES, "speedups", k, "ideal", fmt=num(2)) for k in (0, 1)),
+      *(F(ENGINES, "speedups", k, "of_ideal", fmt=pct(0)) for k in (0, 1))),
+    C(GPU, "**Two engines now match one** ({} against {} samples/s in sync; {} against {} before the fixes).",
+      F(ENGINES, "runs", 2, "samples_per_s", fmt=num(0)), F(ENGINES, "runs", 0, "samples_per_s", fmt=num(0)),
+      F(LARGE_RL, "runs", 2, "samples_per_s", fmt=num(0)), F(LARGE_RL, "runs", 0, "samples_per_s", fmt=num(0))),
+    # what a weight update follows
+    wakeup_row("right after the previous push (the standalone rounds)", "idle"),
+    wakeup_row("after a generate batch (64 × 16 tokens)", "after_gen"),
+    wakeup_row("after a generate batch, without flush", "after_gen_noflush"),
+    wakeup_row("after 1 s with nothing to do", "after_sleep1"),
+    wakeup_row("right after the previous push, without flush", "idle_noflush"),
+    # the whole GPU suite twice
+    C(GPU, "- pass 1, before sglang-router was on the host: {} (the replica tests need the router) in {} s;",
+      F(SUITE2, "pass_1", "summary", fmt=suite_counts),
+      F(SUITE2, "pass_1", "summary", lambda t: float(re.search(r"in ([\d.]+)s", t).group(1)), fmt=num(0))),
+    C(GPU, "- pass 2, with the router: {} in {} s.", F(SUITE2, "pass_2", "summary", fmt=suite_counts),
+      F(SUITE2, "pass_2", "summary", lambda t: float(re.search(r"in ([\d.]+)s", t).group(1)), fmt=num(0))),
+    C(GPU, "The 60-step pipeline run went from {} % to {} % held-out (max) in pass 1 and from {} % to {} % in "
+           "pass 2 (the test asks for +10 points), every update through the flat path ({} and {} ms median).",
+      *(F(SUITE2, p, "report", "pipeline_summary", k, fmt=pct_short)
+        for p in ("pass_1", "pass_2") for k in ("eval_accuracy_start", "eval_accuracy_max")),
+      *(F(SUITE2, p, "report", "pipeline_update_ms_median", fmt=num(2)) for p in ("pass_1", "pass_2"))),
     # bench/results/gpu/README.md: set-up and the GPU tests
     C(GPU, "on one NVIDIA H200, SGLang {}, torch {},", F(STALE, "sglang"), F(STALE, "torch")),
     C(GPU, 'tests/test_gpu.py -k "not pipeline": {}s tests/test_gpu.py -k pipeline: {}s These are the figures',
