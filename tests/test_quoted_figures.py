@@ -149,11 +149,12 @@ def update_row(path: str) -> Claim:
 
 def engines_row(i: int, label: str, speedup: int | None) -> Claim:
     """A row of the sync/async x 1/2 engines table; `speedup`: its index in the speed-up rows (async)."""
-    run = ("runs", i)
-    speed = [] if speedup is None else [F(ENGINES, "speedups", speedup, "speedup", fmt=num(2))]
-    gen = [] if speedup is not None else [F(ENGINES, *run, "phase_s", "generate", fmt=num(2))]
-    return C(GPU, f"| {label} | {{}} | {{}}{' (**{}×**)' if speed else ''} | {{}} → {{}} / {{}} % | {{}} s | {{}} | "
-                  f"{'–' if speed else '{}'} / {{}} | {{}} |",
+    run, is_async = ("runs", i), speedup is not None
+    samples = "{} (**{}×**)" if is_async else "{}"
+    generate = "–" if is_async else "{}"
+    speed = [F(ENGINES, "speedups", speedup, "speedup", fmt=num(2))] if is_async else []
+    gen = [] if is_async else [F(ENGINES, *run, "phase_s", "generate", fmt=num(2))]
+    return C(GPU, f"| {label} | {{}} | {samples} | {{}} → {{}} / {{}} % | {{}} s | {{}} | {generate} / {{}} | {{}} |",
              F(ENGINES, *run, "train_s", fmt=num(0)), F(ENGINES, *run, "samples_per_s", fmt=num(0)), *speed,
              *(F(ENGINES, *run, "summary", k, fmt=pct(1))
                for k in ("eval_accuracy_start", "eval_accuracy_max", "eval_accuracy_end")),
@@ -170,6 +171,11 @@ def wakeup_row(label: str, condition: str) -> Claim:
 def suite_counts(summary: str) -> str:
     """`7 passed, 2 skipped` from a pytest summary line (deselected ones left out)."""
     return ", ".join(re.findall(r"\d+ (?:passed|skipped|failed)", summary))
+
+
+def suite_seconds(summary: str) -> float:
+    """323.01 from `... in 323.01s`."""
+    return float(re.search(r"in ([\d.]+)s", summary).group(1))
 
 
 CLAIMS = [
@@ -267,9 +273,9 @@ CLAIMS = [
     # the whole GPU suite twice
     C(GPU, "- pass 1, before sglang-router was on the host: {} (the replica tests need the router) in {} s;",
       F(SUITE2, "pass_1", "summary", fmt=suite_counts),
-      F(SUITE2, "pass_1", "summary", lambda t: float(re.search(r"in ([\d.]+)s", t).group(1)), fmt=num(0))),
+      F(SUITE2, "pass_1", "summary", suite_seconds, fmt=num(0))),
     C(GPU, "- pass 2, with the router: {} in {} s.", F(SUITE2, "pass_2", "summary", fmt=suite_counts),
-      F(SUITE2, "pass_2", "summary", lambda t: float(re.search(r"in ([\d.]+)s", t).group(1)), fmt=num(0))),
+      F(SUITE2, "pass_2", "summary", suite_seconds, fmt=num(0))),
     C(GPU, "The 60-step pipeline run went from {} % to {} % held-out (max) in pass 1 and from {} % to {} % in "
            "pass 2 (the test asks for +10 points), every update through the flat path ({} and {} ms median).",
       *(F(SUITE2, p, "report", "pipeline_summary", k, fmt=pct_short)

@@ -250,24 +250,26 @@ class EngineClient:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
 
 
+def startup_info(engine) -> dict:
+    """The engine's /server_info as first read: its release and start-up arguments, which an engine
+    restarted by the same launcher keeps. One request per client (or group), kept on it."""
+    info = getattr(engine, "startup_server_info", None)
+    if info is None:
+        info = engine.startup_server_info = engine.server_info()
+    return info
+
+
 def uses_update_sessions(engine) -> bool:
     """Whether this SGLang server wants /begin_weight_update ... /end_weight_update around tensor
     updates: newer servers refuse a tensor update outside such a session; 0.5.16 has no such routes
-    (404). Asked once per client (or group), from /server_info's version."""
-    cached = getattr(engine, "is_session_api", None)
-    if cached is None:
-        version = str(engine.server_info().get("version", "0"))
-        parts = tuple(int(x) for x in re.findall(r"\d+", version)[:3])
-        cached = engine.is_session_api = parts >= (0, 5, 23)
-    return cached
+    (404). Read from /server_info's version."""
+    parts = tuple(int(x) for x in re.findall(r"\d+", str(startup_info(engine).get("version", "0")))[:3])
+    return parts >= (0, 5, 23)
 
 
 def has_prefix_cache(engine) -> bool:
     """Whether the engine keeps KV across requests (SGLang's radix cache), which a weight update must
     flush: a later prompt would otherwise reuse KV computed with the old weights. Without one (SGLang
     with --disable-radix-cache, the local engine) a flush empties nothing, but it still cost 0.4 ms of
-    a 5 ms update on an H200 (bench/results/gpu/update_wakeup.json). Asked once per client (or group)."""
-    cached = getattr(engine, "is_prefix_cached", None)
-    if cached is None:
-        cached = engine.is_prefix_cached = not engine.server_info().get("disable_radix_cache", False)
-    return cached
+    a 5 ms update on an H200 (bench/results/gpu/update_wakeup.json)."""
+    return not startup_info(engine).get("disable_radix_cache", False)
