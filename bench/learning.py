@@ -1,6 +1,10 @@
 """Held-out accuracy over wall time for the default synchronous run, under the real supervisord.
 
-Run: python bench/learning.py [--seeds 0,1,2] [--word-problems] [--section.key=value ...]
+Run: python bench/learning.py [--seeds 0,1,2] [--word-problems] [--config FILE] [--out DIR]
+                               [--target-points 25] [--target-s 300] [--section.key=value ...]
+On a GPU (the large policy taught the word format, configs/gpu_word_problems.toml says how):
+     python bench/learning.py --word-problems --config configs/gpu_word_problems.toml --seeds 0
+         --out bench/results/gpu --target-points 30 --target-s 600
 
 Starts the pipeline exactly as `make run` does (configs/default.toml plus the given overrides) in a
 private run directory, once per seed (`run.seed`; seed 0 is `make run`'s own run), follows the
@@ -8,15 +12,18 @@ trainer's progress, then prints accuracy at each evaluation with the wall time i
 and writes bench/results/learning.json and learning.png: the figures the README quotes for `make run`
 (the seed-0 run's at the top level, every seed's curve under "seeds"). With `--word-problems` the run
 is the README's own-data example instead (examples/word_problems/ through the chat template, the
-math reward), written to learning_word_problems.json and .png.
-Target on a 2-core CPU machine: +25 points of held-out accuracy within 5 minutes of wall time, as the
-mean over the seeds (200 held-out problems make one run's accuracy +-3 points noisy); the verdict
-("met" or "missed by X points") is printed and kept in learning.json.
+math reward), written to learning_word_problems.json and .png. --config FILE reaches every stage
+through $NANOMILES_CONFIG; --out DIR is where the files go (default bench/results).
+Target on a 2-core CPU machine: +25 points of held-out accuracy within 5 minutes of wall time (start-up
+included), as the mean over the seeds (200 held-out problems make one run's accuracy +-3 points
+noisy); --target-points and --target-s set another. The verdict ("met" or "missed by X points") is
+printed and kept in the JSON file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -50,7 +57,7 @@ def follow(run, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def plot(runs: list[dict], out: Path, title: str) -> bool:
+def plot(runs: list[dict], out: Path, title: str, target_points: float, target_s: float) -> bool:
     from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
@@ -60,8 +67,8 @@ def plot(runs: list[dict], out: Path, title: str) -> bool:
         ax.plot([e[2] / 60 for e in run["evals"]], [100 * e[1] for e in run["evals"]], marker="o",
                 label=f"seed {run['seed']}")
     start = sum(run["evals"][0][1] for run in runs) / len(runs)
-    ax.axhline(100 * start + TARGET_POINTS, ls="--", c="gray", label=f"mean start + {TARGET_POINTS:.0f} points")
-    ax.axvline(TARGET_S / 60, ls=":", c="gray")
+    ax.axhline(100 * start + target_points, ls="--", c="gray", label=f"mean start + {target_points:.0f} points")
+    ax.axvline(target_s / 60, ls=":", c="gray")
     ax.set_xlabel("wall time since training started (min)")
     ax.set_ylabel("held-out greedy accuracy (%)")
     ax.set_title(title)
@@ -89,9 +96,9 @@ def run_once(argv: list[str]) -> dict | None:
         return {**json.loads(summary_path.read_text()), "wall_s": wall_s}
 
 
-def gain_within_target(evals: list) -> float:
-    """Best held-out accuracy within TARGET_S of wall time, minus the start, in points."""
-    return 100 * (max(acc for _, acc, t in evals if t <= TARGET_S) - evals[0][1])
+def gain_within_target(evals: list, target_s: float) -> float:
+    """Best held-out accuracy within `target_s` of wall time, minus the start, in points."""
+    return 100 * (max(acc for _, acc, t in evals if t <= target_s) - evals[0][1])
 
 
 def main(argv: list[str]) -> int:
@@ -99,19 +106,30 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     from nano_miles.run.config import ConfigError, load_config
-    seeds = [0, 1, 2]
-    if "--seeds" in argv:
-        k = argv.index("--seeds")
+    options = {"--seeds": ("0,1,2", lambda v: [int(x) for x in v.split(",")], "a comma-separated list of integers"),
+               "--config": (None, lambda v: str(Path(v).resolve()), "a TOML file"),
+               "--out": (str(RESULTS), Path, "a directory"),
+               "--target-points": (str(TARGET_POINTS), float, "a number of points"),
+               "--target-s": (str(TARGET_S), float, "seconds")}
+    values = {}
+    for flag, (default, parse, what) in options.items():
+        text = default
+        if flag in argv:
+            k = argv.index(flag)
+            text, argv = (argv[k + 1] if k + 1 < len(argv) else ""), argv[:k] + argv[k + 2:]
         try:
-            seeds = [int(x) for x in argv[k + 1].split(",")]
-        except (IndexError, ValueError):
-            print("--seeds takes a comma-separated list of integers, e.g. --seeds 0,1,2", file=sys.stderr)
+            values[flag] = None if text is None else parse(text)
+        except ValueError:
+            print(f"{flag} takes {what}, not {text!r}", file=sys.stderr)
             return 2
-        argv = argv[:k] + argv[k + 2:]
-    name, title = "learning", "sync GRPO, small policy, 2 CPU cores"
+    seeds, out_dir, target_points, target_s = (values[k] for k in ("--seeds", "--out", "--target-points", "--target-s"))
+    if values["--config"] is not None:  # every stage reads the same file
+        os.environ["NANOMILES_CONFIG"] = values["--config"]
+    where = "2 CPU cores" if values["--config"] is None else Path(values["--config"]).name
+    name, title = "learning", f"sync GRPO, small policy, {where}"
     if "--word-problems" in argv:
-        argv = WORD_PROBLEMS + [a for a in argv if a != "--word-problems"]
-        name, title = "learning_word_problems", "sync GRPO, word problems (JSONL, chat template), 2 CPU cores"
+        argv = ([] if values["--config"] else WORD_PROBLEMS) + [a for a in argv if a != "--word-problems"]
+        name, title = "learning_word_problems", f"sync GRPO, word problems (JSONL, chat template), {where}"
     try:
         cfg = load_config(overrides=argv)
     except ConfigError as e:
@@ -124,7 +142,7 @@ def main(argv: list[str]) -> int:
         if summary is None:
             return 1
         evals = [e[:3] for e in summary["evals"]]  # [step, held-out accuracy, elapsed s]
-        runs.append({"seed": seed, "summary": summary, "evals": evals, "gain": gain_within_target(evals)})
+        runs.append({"seed": seed, "summary": summary, "evals": evals, "gain": gain_within_target(evals, target_s)})
     print(f"\n{'seed':>4} {'step':>6} {'wall s':>8} {'held-out %':>11} {'gain':>7}")
     for run in runs:
         start = run["evals"][0][1]
@@ -132,29 +150,29 @@ def main(argv: list[str]) -> int:
             print(f"{run['seed']:>4} {step:>6} {elapsed:>8.0f} {100 * acc:>11.1f} {100 * (acc - start):>+7.1f}")
     gains = [run["gain"] for run in runs]
     mean_gain = sum(gains) / len(gains)
-    print(f"\nbest gain within {TARGET_S / 60:.0f} min per seed: " + ", ".join(f"{g:+.1f}" for g in gains)
+    print(f"\nbest gain within {target_s / 60:.0f} min per seed: " + ", ".join(f"{g:+.1f}" for g in gains)
           + f" points; mean {mean_gain:+.1f}")
-    verdict = Verdict(f"held-out gain within {TARGET_S / 60:.0f} min, mean of {len(runs)} seeds", mean_gain, ">=",
-                      TARGET_POINTS, "points")
+    verdict = Verdict(f"held-out gain within {target_s / 60:.0f} min, mean of {len(runs)} seeds", mean_gain, ">=",
+                      target_points, "points")
     print_verdicts([verdict])
     first = runs[0]["summary"]  # the top level is seed 0's run: `make run`'s own, as the README quotes it
     print(f"seed {runs[0]['seed']}: {first['num_steps']} steps in {first['wall_s'] / 60:.1f} min (start-up and "
           f"evaluations included); held-out {100 * runs[0]['evals'][0][1]:.1f} % -> max "
           f"{100 * first['eval_accuracy_max']:.1f} %, end {100 * first['eval_accuracy_end']:.1f} %")
-    RESULTS.mkdir(exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     result = {"config": cfg.to_dict(), "seed": runs[0]["seed"], "num_steps": first["num_steps"],
               "wall_s": first["wall_s"], "eval_accuracy_start": runs[0]["evals"][0][1],
               "eval_accuracy_max": first["eval_accuracy_max"], "eval_accuracy_end": first["eval_accuracy_end"],
               "ledger": first["ledger"], "evals": runs[0]["evals"], "mean_step_s": first["mean_step_s"],
-              "mean_update_ms": first["mean_update_ms"], "target_points": TARGET_POINTS, "target_s": TARGET_S,
+              "mean_update_ms": first["mean_update_ms"], "target_points": target_points, "target_s": target_s,
               "mean_gain_points_within_target": mean_gain,
               "seeds": [{"seed": r["seed"], "evals": r["evals"], "gain_points_within_target": r["gain"],
                          "wall_s": r["summary"]["wall_s"], "eval_accuracy_max": r["summary"]["eval_accuracy_max"]}
                         for r in runs],
               "verdicts": [verdict.to_json()]}
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
-    if plot(runs, RESULTS / f"{name}.png", title):
-        print(f"wrote {RESULTS / name}.json and {name}.png")
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    if plot(runs, out_dir / f"{name}.png", title, target_points, target_s):
+        print(f"wrote {out_dir / name}.json and {name}.png")
     return 0
 
 

@@ -87,6 +87,8 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
     timed = records[1:] or records  # step 1 pays first-time costs in both modes
     return {"name": name, "seed": seed, "summary": summary, "train_s": train_s, "startup_s": t0,
             "samples_per_s": sum(r["num_samples"] for r in records) / train_s,
+            "tokens_per_s": sum(r["num_tokens"] for r in records) / train_s,  # response tokens trained
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in records),      # the trainer's
             "phase_s": {p: sum(r["phase_s"][p] for r in timed) / len(timed) for p in PHASES},
             # a bound on overlapping a serial step: defined for sync runs (None for async ones)
             "ideal_overlap_speedup": ideal_overlap_speedup(timed) if name.startswith("sync") else None,

@@ -135,6 +135,21 @@ def test_sweep_snapshot_equals_a_build_of_that_many_steps(tmp_path):
     assert saved["rows"] == rows
 
 
+def test_a_warm_up_goes_on_from_a_given_policy_in_the_given_formats(policy_dir, tmp_path):
+    """`build --init DIR --formats word`: zero steps keep DIR's weights exactly; one step of the word
+    format changes them (the large policy is taught word problems this way)."""
+    from nano_miles.policy.__main__ import FORMAT_NAMES
+    from nano_miles.policy.build import build_policy
+    from nano_miles.policy.formats import FORMATS
+    assert set(FORMAT_NAMES) == set(FORMATS)  # --help names every format without importing torch
+    same = build_policy(tmp_path / "same", init_dir=policy_dir, num_steps=0, formats=("word",))
+    moved = build_policy(tmp_path / "moved", init_dir=policy_dir, num_steps=1, formats=("word",))
+    start = AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()
+    for out, is_equal in ((same, True), (moved, False)):
+        weights = AutoModelForCausalLM.from_pretrained(out).state_dict()
+        assert all(torch.equal(weights[k], v) for k, v in start.items()) is is_equal
+
+
 def test_shapes_have_the_sizes_their_docs_give():
     from nano_miles.policy.__main__ import SHAPES
     from nano_miles.policy.build import MODEL_SHAPES, WARMUP, build_model

@@ -10,6 +10,7 @@ from pathlib import Path
 from nano_miles.run.cli import ArgumentParser, UserError, run
 
 SHAPES = ("large", "medium", "small")  # build.MODEL_SHAPES, named here so --help needs no torch
+FORMAT_NAMES = ("raw", "chat", "word")  # formats.FORMATS, likewise
 NUM_TEST = 1945  # the smallest test split of the formats (word problems), so --num fits every one
 
 
@@ -19,6 +20,13 @@ def held_out_count(text: str) -> int:
     if not 1 <= num <= NUM_TEST:
         raise argparse.ArgumentTypeError(f"must be an integer in [1, {NUM_TEST}], not {text!r}")
     return num
+
+
+def format_list(text: str) -> tuple[str, ...]:
+    formats = tuple(text.split(","))
+    if not formats or not set(formats) <= set(FORMAT_NAMES):
+        raise argparse.ArgumentTypeError(f"takes formats of {', '.join(FORMAT_NAMES)}, comma-separated, not {text!r}")
+    return formats
 
 
 def device_name(text: str) -> str:
@@ -47,6 +55,11 @@ def parse_args(argv):
         cmd.add_argument("--shape", choices=SHAPES, default="small",
                          help="model size: small (the shipped CPU policy), medium (the quick GPU demo, 3.2 M) "
                               "or large (39.5 M, the GPU's real curve)")
+        cmd.add_argument("--formats", type=format_list, default=None,
+                         help=f"comma-separated formats to teach, of {', '.join(FORMAT_NAMES)} (default: the shape's)")
+        cmd.add_argument("--init", type=Path, default=None,
+                         help="go on from this policy directory instead of new weights, e.g. the large policy "
+                              "with --formats word --num-steps 200")
         cmd.add_argument("--device", type=device_name, default="cpu", help="torch device of the warm-up, e.g. cuda")
     evaluate = sub.add_parser("eval", help="greedy accuracy, format rate and pass@k on held-out problems, "
                                            "in every format")
@@ -63,17 +76,19 @@ def main(argv: list[str]) -> None:
         import torch
         if not torch.cuda.is_available():
             raise UserError(f"--device {args.device}, but torch {torch.__version__} sees no CUDA device here")
-    if args.command == "eval" and not (args.model / "config.json").is_file():
-        raise UserError(f"--model {args.model} is not a local HF model directory (no config.json there)")
+    for flag, model_dir in (("--model", getattr(args, "model", None)), ("--init", getattr(args, "init", None))):
+        if model_dir is not None and not (model_dir / "config.json").is_file():
+            raise UserError(f"{flag} {model_dir} is not a local HF model directory (no config.json there)")
     start_s = time.monotonic()
     if args.command == "build":
         from nano_miles.policy.build import build_policy
-        build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device)
+        build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device,
+                     formats=args.formats, init_dir=args.init)
         print(f"built {args.out} in {time.monotonic() - start_s:.0f}s")
     elif args.command == "sweep":
         from nano_miles.policy.build import sweep
         sweep(args.out, shape=args.shape, num_steps=args.num_steps, eval_every=args.eval_every,
-              device=args.device, seed=args.seed, num_eval=args.num_eval)
+              device=args.device, seed=args.seed, num_eval=args.num_eval, formats=args.formats, init_dir=args.init)
     else:
         from nano_miles.policy.evaluate import evaluate_dir
         result = evaluate_dir(args.model, num=args.num, num_samples=args.num_samples, seed=args.seed)

@@ -1,0 +1,253 @@
+"""nano-miles (sync, async S=2) against Hugging Face TRL's GRPOTrainer: same GPU, policy, data and settings.
+
+Run: python bench/vs_trl.py [--policies medium,large] [--steps 60] [--out DIR] [--trl-pythonpath PATH]
+                            [--trl-generation generate|paged] [--section.key=value ...]
+On one GPU, after building the policies (python -m nano_miles.policy build --shape medium|large
+--device cuda --out runs/policy-medium|large) and with trl importable (pip install trl; a host
+without network: bash bench/trl_bundle.sh, then --trl-pythonpath):
+     python bench/vs_trl.py --engine.mem_fraction_static=0.15 --out bench/results/gpu
+On the CPU (the small policy, the local engine; a check that everything runs, not a speed figure):
+     python bench/vs_trl.py --policies small --steps 4
+
+Per policy, three runs of the same number of optimizer steps from the same policy directory:
+nano-miles sync and async with max_staleness 2 (each a full pipeline under the real supervisord,
+configs/gpu.toml or gpu_large.toml with the overrides), then TRL's GRPOTrainer in a process of its
+own (harness/trl_grpo.py) with the settings mapped from the same config. Both sides' settings, TRL's
+read back from its built trainer, are printed side by side; one that should match and does not stops
+the bench. Every run's clock starts when its step 1 starts; TRL's stops while the held-out evaluation
+(nano-miles' own, in its process) runs.
+
+Reported per run: samples/s and generated tokens/s over the training time, seconds per step and its
+generate / train split, time to the held-out target (the runs' mean start accuracy plus the policy's
+--target-points), start and final held-out accuracy, peak GPU memory (the whole device, NVML: the
+engine's reserved pool included; and the trainer's max allocated) and the weight update per step.
+Writes vs_trl.json and vs_trl.png (held-out accuracy against wall time) into --out (default
+bench/results). Targets: nano-miles ahead of TRL in samples/s and time to target on every policy,
+async S=2 at >= 3x TRL's samples/s on the large policy, final accuracy not below TRL's by more than
+the 3-point noise of 200 held-out problems.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.servers import REPO_ROOT  # noqa: E402
+from harness.verdict import Verdict, print_verdicts  # noqa: E402
+from nano_miles.run.cli import ArgumentParser, UserError, run  # noqa: E402
+from harness.trl_grpo import MUST_MATCH, nano_settings  # noqa: E402
+from staleness import time_to_reach  # noqa: E402
+from nano_miles.run.config import is_override, load_config  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# policy -> (its config, held-out points above the runs' mean start that count as the target)
+POLICIES = {"small": ("configs/default.toml", 3.0), "medium": ("configs/gpu.toml", 8.0),
+            "large": ("configs/gpu_large.toml", 50.0)}
+LARGE_ASYNC_TARGET = 3.0   # async S=2 samples/s over TRL's on the large policy
+ACCURACY_NOISE = 0.03      # final accuracy may trail TRL's by this much (200 problems: ~3 points)
+
+
+def print_settings(policy: str, nano: dict, trl: dict) -> list[str]:
+    """Both sides' settings, row by row; the MUST_MATCH keys that differ."""
+    print(f"\nsettings, {policy} policy\n{'setting':<32} {'nano-miles':<48} {'TRL GRPOTrainer':<48}")
+    for key in nano:
+        mark = "" if key not in MUST_MATCH else ("  same" if nano[key] == trl.get(key) else "  DIFFERS")
+        print(f"{key:<32} {str(nano[key]):<48} {str(trl.get(key)):<48}{mark}")
+    return [k for k in MUST_MATCH if nano[k] != trl.get(k)]
+
+
+class DeviceMemory:
+    """The GPU's used memory (NVML, every process) sampled while the block runs: the peak above what
+    was in use when it started, in MiB. None without a GPU or NVML."""
+
+    def __init__(self, period_s: float = 0.2):
+        self.period_s, self.peak_mb, self._stop = period_s, None, threading.Event()
+
+    def __enter__(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML library or no GPU: memory is not reported
+            return self
+        used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20  # noqa: E731
+        base = used()
+        self.peak_mb = 0.0
+
+        def sample():
+            while not self._stop.wait(self.period_s):
+                self.peak_mb = max(self.peak_mb, used() - base)
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.peak_mb is not None:
+            self._thread.join()
+
+
+def trl_env(pythonpath: str | None) -> dict:
+    """TRL's process: the repo importable, PYTHONPATH replaced by `pythonpath` if given (so an
+    engine's pinned packages stay out of it), no hub access."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "PYTHONUNBUFFERED": "1"}
+    paths = ([pythonpath] if pythonpath is not None else [env.get("PYTHONPATH", "")]) + [str(REPO_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def check_trl(env: dict) -> str:
+    out = subprocess.run([sys.executable, "-c", "import trl, datasets, transformers; print(trl.__version__, "
+                          "datasets.__version__, transformers.__version__)"], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise UserError("TRL does not import in its process: " + out.stderr.strip().splitlines()[-1]
+                        + " (pip install trl, or bash bench/trl_bundle.sh DIR and --trl-pythonpath)")
+    return out.stdout.strip()
+
+
+def run_nano(name: str, config: str, overrides: list[str], root: Path) -> dict:
+    from staleness import run_variant  # a pipeline run under supervisord, read as staleness.py reads it
+    os.environ["NANOMILES_CONFIG"] = config
+    with DeviceMemory() as memory:
+        row = run_variant(name, 0, overrides, root)
+    s = row["summary"]
+    return {"name": f"nano-miles {name}", "train_s": row["train_s"], "samples_per_s": row["samples_per_s"],
+            "tokens_per_s": row["tokens_per_s"], "num_steps": s["num_steps"],
+            "step_s": row["train_s"] / s["num_steps"],
+            # the trainer's wait for a scored batch: generation and scoring it could not overlap
+            "generate_s": sum(row["phase_s"][p] for p in ("generate", "score", "waiting")),
+            "train_step_s": row["phase_s"]["train"], "update_ms": s["mean_update_ms"], "evals": s["evals"],
+            "device_memory_mb": memory.peak_mb, "trainer_memory_mb": row["peak_memory_mb"], "goodput": s["goodput"]}
+
+
+def run_trl(config: str, overrides: list[str], generation: str, env: dict, root: Path) -> dict:
+    out = root / "trl" / "trl_run.json"
+    print(f"running TRL GRPOTrainer ({generation}) ...", flush=True)
+    cmd = [sys.executable, "-m", "harness.trl_grpo", "--config", config, "--out", str(out),
+           "--generation", generation, *overrides]
+    with DeviceMemory() as memory:
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"TRL run failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    r = json.loads(out.read_text())
+    steps = r["steps"]
+    timed = steps[1:] or steps  # step 1 pays first-time costs, as in the nano-miles runs
+    mean = lambda key: sum(s["phase_s"][key] for s in timed) / len(timed)  # noqa: E731
+    return {"name": f"TRL {generation}", "train_s": r["train_s"],
+            "samples_per_s": sum(s["num_samples"] for s in steps) / r["train_s"],
+            "tokens_per_s": sum(s["num_tokens"] for s in steps) / r["train_s"], "num_steps": len(steps),
+            "step_s": r["train_s"] / len(steps), "generate_s": mean("generate") + mean("score"),
+            "train_step_s": mean("train"), "update_ms": None, "evals": r["evals"],
+            "device_memory_mb": memory.peak_mb, "trainer_memory_mb": r["peak_memory_mb"], "goodput": 1.0,
+            "settings": r["settings"], "trl_version": r["trl_version"]}
+
+
+def fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def print_table(policy: str, rows: list[dict], target: float) -> None:
+    print(f"\n{policy} policy, target {100 * target:.1f} % held-out\n{'run':<22} {'samples/s':>9} {'tokens/s':>9} "
+          f"{'s/step':>7} {'batch s':>7} {'train s':>7} {'t(target)':>9} {'held-out start -> end':>22} "
+          f"{'GPU MiB':>8} {'trainer MiB':>11} {'update ms':>9}")
+    for r in rows:
+        acc = f"{100 * r['evals'][0][1]:.1f} -> {100 * r['evals'][-1][1]:.1f} %"
+        print(f"{r['name']:<22} {r['samples_per_s']:>9.0f} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} "
+              f"{r['generate_s']:>7.3f} {r['train_step_s']:>7.3f} {fmt(r['seconds_to_target'], '.0f'):>8}s "
+              f"{acc:>22} {fmt(r['device_memory_mb'], ',.0f'):>8} {fmt(r['trainer_memory_mb'], ',.0f'):>11} "
+              f"{fmt(r['update_ms'], '.1f', 'none'):>9}")
+
+
+def policy_verdicts(policy: str, rows: dict) -> list[Verdict]:
+    trl, sync, asyn = rows["trl"], rows["sync"], rows["async"]
+    checks = [Verdict(f"{policy}: {r['name']} samples/s over TRL's", r["samples_per_s"] / trl["samples_per_s"], ">=",
+                      LARGE_ASYNC_TARGET if policy == "large" and r is asyn else 1.0, "x", 2) for r in (sync, asyn)]
+    best = min((r["seconds_to_target"] for r in (sync, asyn) if r["seconds_to_target"] is not None), default=None)
+    ratio = None if best is None else 0.0 if trl["seconds_to_target"] is None else best / trl["seconds_to_target"]
+    checks.append(Verdict(f"{policy}: nano-miles' time to target over TRL's", ratio, "<=", 1.0, "x", 2))
+    checks += [Verdict(f"{policy}: {r['name']} final held-out accuracy minus TRL's",
+                       100 * (r["evals"][-1][1] - trl["evals"][-1][1]), ">=", -100 * ACCURACY_NOISE, "points")
+               for r in (sync, asyn)]
+    return checks
+
+
+def plot(results: dict, out: Path) -> None:
+    from nano_miles.observe.plots import pyplot_or_none
+    plt = pyplot_or_none()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (policy, res) in zip(axes[0], results.items()):
+        for key, row in res["runs"].items():
+            ax.plot([e[2] for e in row["evals"]], [100 * e[1] for e in row["evals"]], marker="o", label=row["name"])
+        ax.axhline(100 * res["target_accuracy"], ls="--", c="gray", label="target")
+        ax.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)", title=f"{policy} policy")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python bench/vs_trl.py", description=__doc__)
+    parser.add_argument("--policies", default="medium,large", help="comma-separated: small, medium, large")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where vs_trl.json and vs_trl.png go")
+    parser.add_argument("--trl-pythonpath", default=None,
+                        help="PYTHONPATH of TRL's process instead of this one's (e.g. the bundle's site)")
+    parser.add_argument("--trl-generation", choices=("generate", "paged"), default="generate",
+                        help="TRL's generation: model.generate or transformers' paged continuous batching")
+    parser.add_argument("--keep-runs", type=Path, default=None, help="keep every run's directory here")
+    args = parser.parse_args([a for a in argv if not is_override(a)])
+    policies = args.policies.split(",")
+    if not set(policies) <= set(POLICIES) or args.steps < 1:
+        raise UserError(f"--policies takes names from {', '.join(POLICIES)}, --steps a positive count")
+    overrides = [f"--trainer.num_steps={args.steps}", f"--trainer.eval_every={max(1, args.steps // 6)}",
+                 "--trainer.checkpoint_every=0", "--run.seed=0"] + [a for a in argv if is_override(a)]
+    configs = {p: str(REPO_ROOT / POLICIES[p][0]) for p in policies}
+    cfgs = {p: load_config(configs[p], overrides) for p in policies}
+    for p, cfg in cfgs.items():
+        if not (cfg.model_dir / "config.json").is_file():
+            raise UserError(f"the {p} policy is not at {cfg.model_dir}: python -m nano_miles.policy build "
+                            f"--shape {p} --device cuda --out {cfg.model_dir}")
+    env = trl_env(args.trl_pythonpath)
+    print(f"trl, datasets, transformers in TRL's process: {check_trl(env)}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep_runs or Path(tmp)
+        for p in policies:
+            runs = {"sync": run_nano("sync", configs[p], overrides, root / p),
+                    "async": run_nano("async S=2", configs[p], overrides + ["--run.mode=async",
+                                                                            "--run.max_staleness=2"], root / p),
+                    "trl": run_trl(configs[p], overrides, args.trl_generation, env, root / p)}
+            starts = [r["evals"][0][1] for r in runs.values()]
+            target = sum(starts) / len(starts) + POLICIES[p][1] / 100
+            for r in runs.values():
+                r["seconds_to_target"] = time_to_reach(r["evals"], target)
+            nano = nano_settings(cfgs[p])
+            differs = print_settings(p, nano, runs["trl"]["settings"])
+            if differs:
+                raise SystemExit(f"settings that should match differ: {', '.join(differs)}")
+            print_table(p, list(runs.values()), target)
+            results[p] = {"config": POLICIES[p][0], "target_accuracy": target, "target_points": POLICIES[p][1],
+                          "nano_settings": nano, "runs": runs, "verdicts": []}
+    checks = [v for p in policies for v in policy_verdicts(p, results[p]["runs"])]
+    print_verdicts(checks)
+    for p in policies:
+        results[p]["verdicts"] = [v.to_json() for v in checks if v.name.startswith(f"{p}:")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vs_trl.json").write_text(json.dumps({"overrides": overrides, "policies": results}, indent=2))
+    plot(results, args.out / "vs_trl.png")
+    print(f"\nwrote {args.out / 'vs_trl.json'} and vs_trl.png")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main, "vs_trl")

@@ -1,0 +1,44 @@
+"""TRL's GRPOTrainer on a nano-miles config (harness/trl_grpo.py, what bench/vs_trl.py compares with).
+Run: pytest tests/test_vs_trl.py
+
+A real TRL run on the CPU with the small policy: the settings read back from TRL's built trainer
+equal nano-miles' own on every key that must match, and the run records what the bench reads.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytest.importorskip("trl")
+
+OVERRIDES = ["--trainer.num_steps=2", "--trainer.batch_groups=2", "--rollout.group_size=4", "--task.num_test=8",
+             "--trainer.eval_every=1", "--trainer.lr=3e-4", "--rollout.max_new_tokens=24", "--run.seed=3"]
+
+
+def test_trl_runs_what_the_nano_miles_config_says(tmp_path):
+    from harness.trl_grpo import MUST_MATCH, nano_settings
+    from nano_miles.run.config import load_config
+    out = tmp_path / "trl.json"
+    done = subprocess.run([sys.executable, "-m", "harness.trl_grpo", "--out", str(out), *OVERRIDES], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    nano = nano_settings(load_config(overrides=OVERRIDES))
+    assert {k: result["settings"][k] for k in MUST_MATCH} == {k: nano[k] for k in MUST_MATCH}
+    assert [s["step"] for s in result["steps"]] == [1, 2]
+    assert all(s["num_samples"] == 8 and 0 < s["num_tokens"] <= 8 * 24 for s in result["steps"])
+    assert all(s["phase_s"]["generate"] > 0 and s["phase_s"]["train"] > 0 for s in result["steps"])
+    assert [e[0] for e in result["evals"]] == [0, 1, 2]  # before training and after every step
+    assert result["evals"][0][2] == 0.0 and result["train_s"] >= result["evals"][-1][2] > 0
+
+
+def test_a_bad_flag_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "harness.trl_grpo", "--out", str(tmp_path / "x.json"),
+                           "--generation", "vllm"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--generation" in done.stderr and "Traceback" not in done.stderr
