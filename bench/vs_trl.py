@@ -1,11 +1,12 @@
 """nano-miles (sync, async S=2) against Hugging Face TRL's GRPOTrainer: same GPU, policy, data and settings.
 
-Run: python bench/vs_trl.py [--policies medium,large] [--steps 60] [--out DIR] [--trl-pythonpath PATH]
-                            [--trl-generation generate|paged] [--section.key=value ...]
+Run: python bench/vs_trl.py [--policies medium,large] [--steps 50] [--out DIR] [--name vs_trl]
+                            [--trl-pythonpath PATH] [--trl-generation generate|paged] [--section.key=value ...]
+     python bench/vs_trl.py --from A.json B.json [--out DIR] [--name NAME]   (earlier results, reported together)
 On one GPU, after building the policies (python -m nano_miles.policy build --shape medium|large
 --device cuda --out runs/policy-medium|large) and with trl importable (pip install trl; a host
 without network: bash bench/trl_bundle.sh, then --trl-pythonpath):
-     python bench/vs_trl.py --engine.mem_fraction_static=0.15 --out bench/results/gpu
+     python bench/vs_trl.py --engine.mem_fraction_static=0.05 --out bench/results/gpu
 On the CPU (the small policy, the local engine; a check that everything runs, not a speed figure):
      python bench/vs_trl.py --policies small --steps 4
 
@@ -195,57 +196,76 @@ def plot(results: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def measure(policy: str, overrides: list[str], generation: str, env: dict, root: Path) -> dict:
+    """The three runs on one policy, the target from their start, both sides' settings."""
+    config = str(REPO_ROOT / POLICIES[policy][0])
+    runs = {"sync": run_nano("sync", config, overrides, root),
+            "async": run_nano("async S=2", config, overrides + ["--run.mode=async", "--run.max_staleness=2"], root),
+            "trl": run_trl(config, overrides, generation, env, root)}
+    starts = [r["evals"][0][1] for r in runs.values()]
+    return {"config": POLICIES[policy][0], "overrides": overrides, "target_points": POLICIES[policy][1],
+            "target_accuracy": sum(starts) / len(starts) + POLICIES[policy][1] / 100,
+            "nano_settings": nano_settings(load_config(config, overrides)), "runs": runs}
+
+
+def report(results: dict, out: Path, name: str) -> None:
+    """Settings side by side (stopping on a mismatch), the table and the verdicts of every policy;
+    `name`.json and `name`.png into `out`."""
+    for p, res in results.items():
+        for r in res["runs"].values():
+            r["seconds_to_target"] = time_to_reach(r["evals"], res["target_accuracy"])
+        differs = print_settings(p, res["nano_settings"], res["runs"]["trl"]["settings"])
+        if differs:
+            raise SystemExit(f"settings that should match differ: {', '.join(differs)}")
+        print_table(p, list(res["runs"].values()), res["target_accuracy"])
+    checks = [v for p in results for v in policy_verdicts(p, results[p]["runs"])]
+    print_verdicts(checks)
+    for p, res in results.items():
+        res["verdicts"] = [v.to_json() for v in checks if v.name.startswith(f"{p}:")]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"policies": results}, indent=2))
+    plot(results, out / f"{name}.png")
+    print(f"\nwrote {out / name}.json and {name}.png")
+
+
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python bench/vs_trl.py", description=__doc__)
     parser.add_argument("--policies", default="medium,large", help="comma-separated: small, medium, large")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of every run")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where vs_trl.json and vs_trl.png go")
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps of every run")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    parser.add_argument("--name", default="vs_trl", help="their file name, without suffix")
     parser.add_argument("--trl-pythonpath", default=None,
                         help="PYTHONPATH of TRL's process instead of this one's (e.g. the bundle's site)")
     parser.add_argument("--trl-generation", choices=("generate", "paged"), default="generate",
                         help="TRL's generation: model.generate or transformers' paged continuous batching")
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep every run's directory here")
+    parser.add_argument("--from", dest="from_files", type=Path, nargs="+", default=None,
+                        help="no new runs: report the policies of these earlier JSON results together")
     args = parser.parse_args([a for a in argv if not is_override(a)])
+    if args.from_files is not None:
+        results = {}
+        for path in args.from_files:
+            if not path.is_file():
+                raise UserError(f"--from {path}: no such file")
+            results.update(json.loads(path.read_text())["policies"])
+        report(results, args.out, args.name)
+        return 0
     policies = args.policies.split(",")
     if not set(policies) <= set(POLICIES) or args.steps < 1:
         raise UserError(f"--policies takes names from {', '.join(POLICIES)}, --steps a positive count")
     overrides = [f"--trainer.num_steps={args.steps}", f"--trainer.eval_every={max(1, args.steps // 6)}",
                  "--trainer.checkpoint_every=0", "--run.seed=0"] + [a for a in argv if is_override(a)]
-    configs = {p: str(REPO_ROOT / POLICIES[p][0]) for p in policies}
-    cfgs = {p: load_config(configs[p], overrides) for p in policies}
-    for p, cfg in cfgs.items():
-        if not (cfg.model_dir / "config.json").is_file():
-            raise UserError(f"the {p} policy is not at {cfg.model_dir}: python -m nano_miles.policy build "
-                            f"--shape {p} --device cuda --out {cfg.model_dir}")
+    for p in policies:
+        model_dir = load_config(REPO_ROOT / POLICIES[p][0], overrides).model_dir
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"the {p} policy is not at {model_dir}: python -m nano_miles.policy build "
+                            f"--shape {p} --device cuda --out {model_dir}")
     env = trl_env(args.trl_pythonpath)
     print(f"trl, datasets, transformers in TRL's process: {check_trl(env)}")
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep_runs or Path(tmp)
-        for p in policies:
-            runs = {"sync": run_nano("sync", configs[p], overrides, root / p),
-                    "async": run_nano("async S=2", configs[p], overrides + ["--run.mode=async",
-                                                                            "--run.max_staleness=2"], root / p),
-                    "trl": run_trl(configs[p], overrides, args.trl_generation, env, root / p)}
-            starts = [r["evals"][0][1] for r in runs.values()]
-            target = sum(starts) / len(starts) + POLICIES[p][1] / 100
-            for r in runs.values():
-                r["seconds_to_target"] = time_to_reach(r["evals"], target)
-            nano = nano_settings(cfgs[p])
-            differs = print_settings(p, nano, runs["trl"]["settings"])
-            if differs:
-                raise SystemExit(f"settings that should match differ: {', '.join(differs)}")
-            print_table(p, list(runs.values()), target)
-            results[p] = {"config": POLICIES[p][0], "target_accuracy": target, "target_points": POLICIES[p][1],
-                          "nano_settings": nano, "runs": runs, "verdicts": []}
-    checks = [v for p in policies for v in policy_verdicts(p, results[p]["runs"])]
-    print_verdicts(checks)
-    for p in policies:
-        results[p]["verdicts"] = [v.to_json() for v in checks if v.name.startswith(f"{p}:")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "vs_trl.json").write_text(json.dumps({"overrides": overrides, "policies": results}, indent=2))
-    plot(results, args.out / "vs_trl.png")
-    print(f"\nwrote {args.out / 'vs_trl.json'} and vs_trl.png")
+        results = {p: measure(p, overrides, args.trl_generation, env, root / p) for p in policies}
+    report(results, args.out, args.name)
     return 0
 
 

@@ -178,7 +178,90 @@ def suite_seconds(summary: str) -> float:
     return float(re.search(r"in ([\d.]+)s", summary).group(1))
 
 
+VS_TRL, WORD_GPU = "gpu/vs_trl.json", "gpu/learning_word_problems.json"
+GRAPHS, GRAPHS_PI = "gpu/vs_trl_large_cuda_graphs.json", "gpu/vs_trl_large_cuda_graphs_trl_pi_old.json"
+RUN_LABELS = {"sync": "nano-miles sync", "async": "nano-miles async S=2", "trl": "TRL"}
+
+
+def dash_or(spec: str, unit: str = ""):
+    return lambda v: "–" if v is None else f"{v:{spec}}{unit}"
+
+
+def vs_trl_row(doc: str, policy: str, run: str, first_cell: str, *, full: bool) -> Claim:
+    """A row of the TRL comparison; `full` adds the NVML and update columns of the GPU README."""
+    r = ("policies", policy, "runs", run)
+    figs = [F(VS_TRL, *r, "samples_per_s", fmt=grouped), F(VS_TRL, *r, "tokens_per_s", fmt=grouped),
+            F(VS_TRL, *r, "step_s", fmt=num(3)), F(VS_TRL, *r, "generate_s", fmt=num(3)),
+            F(VS_TRL, *r, "train_step_s", fmt=num(3)), F(VS_TRL, *r, "seconds_to_target", fmt=dash_or(".0f", " s")),
+            F(VS_TRL, *r, "evals", lambda e: e[0][1], fmt=pct(1)), F(VS_TRL, *r, "evals", lambda e: e[-1][1], fmt=pct(1)),
+            F(VS_TRL, *r, "trainer_memory_mb", fmt=grouped)]
+    cells = "{} | {} | {} | {} / {} | {} | {} → {} | {}"
+    if full:
+        figs += [F(VS_TRL, *r, "device_memory_mb", fmt=grouped), F(VS_TRL, *r, "update_ms", fmt=dash_or(".1f"))]
+        cells += " | {} | {}"
+    return C(doc, f"| {first_cell} | {cells} |", *figs)
+
+
+def verdict_of(file: str, policy: str, name_start: str) -> tuple:
+    """The path to the measured value of `policy`'s verdict whose name starts with `name_start`."""
+    return (file, "policies", policy, "verdicts", lambda vs: next(v for v in vs if v["name"].startswith(
+        f"{policy}: {name_start}"))["measured"])
+
+
+def V(file: str, policy: str, name_start: str, fmt) -> Fig:
+    file, *path = verdict_of(file, policy, name_start)
+    return F(file, *path, fmt=fmt)
+
+
+def large(file: str, run: str, key: str, fmt) -> Fig:
+    return F(file, "policies", "large", "runs", run, key, fmt=fmt)
+
+
 CLAIMS = [
+    # README.md, "How fast is it?" and bench/results/gpu/README.md: against TRL's GRPOTrainer
+    *(vs_trl_row(README, p, run, f"{label if run == 'sync' else ''} | {RUN_LABELS[run]}", full=False)
+      for p, label in (("medium", "medium (3.2 M)"), ("large", "large (39.5 M)")) for run in ("sync", "async", "trl")),
+    *(vs_trl_row(GPU, p, run, f"{p} | {RUN_LABELS[run]}", full=True)
+      for p in ("medium", "large") for run in ("sync", "async", "trl")),
+    C(README, "(79.2 %) and plus 8 on the medium one ({} %, which no run reached",
+      F(VS_TRL, "policies", "medium", "target_accuracy", fmt=pct(1))),
+    C(README, "weight update per step ({} ms sync, {} ms async on the large",
+      large(VS_TRL, "sync", "update_ms", num(1)), large(VS_TRL, "async", "update_ms", num(1))),
+    C(README, "**Large policy: nano-miles async is ahead**, {}× TRL's samples/s and at the target in {}× its time",
+      V(VS_TRL, "large", "nano-miles async S=2 samples/s", num(2)), V(VS_TRL, "large", "nano-miles' time", num(2))),
+    C(README, "Sync is behind ({}×)", V(VS_TRL, "large", "nano-miles sync samples/s", num(2))),
+    C(README, "Async also pays {} ms a step for the weight update", F(VS_TRL, "policies", "medium", "runs", "async",
+                                                                      "update_ms", fmt=num(0))),
+    C(README, "cut a sync step's wait from {} to {} s", large(VS_TRL, "sync", "generate_s", num(3)),
+      large(GRAPHS, "sync", "generate_s", num(3))),
+    C(README, "sync matched TRL ({}×) and async reached {}× its samples/s and the target in {}× its time",
+      V(GRAPHS_PI, "large", "nano-miles sync samples/s", num(2)),
+      V(GRAPHS_PI, "large", "nano-miles async S=2 samples/s", num(2)), V(GRAPHS_PI, "large", "nano-miles' time", num(2))),
+    C(README, "held-out accuracy went from {} % to {} % by step {}, {} s after the run started (start-up included), "
+              "and to a peak of {} % in {} steps and {} minutes, every one of {} prompts trained once",
+      F(WORD_GPU, "eval_accuracy_start", fmt=pct(1)), F(WORD_GPU, "evals", 1, 1, fmt=pct(1)),
+      F(WORD_GPU, "evals", 1, 0), F(WORD_GPU, "evals", 1, 2, fmt=num(0)), F(WORD_GPU, "eval_accuracy_max", fmt=pct(1)),
+      F(WORD_GPU, "num_steps"), F(WORD_GPU, "wall_s", fmt=lambda v: f"{v / 60:.1f}"),
+      F(WORD_GPU, "ledger", "num_trained_once", fmt=grouped)),
+    C(GPU, "async S=2 is {}× TRL's samples/s. The target was ≥ 3×: missed.",
+      V(VS_TRL, "large", "nano-miles async S=2 samples/s", num(2))),
+    C(GPU, "Sync is {}× and async {}× TRL's samples/s.", V(VS_TRL, "medium", "nano-miles sync samples/s", num(2)),
+      V(VS_TRL, "medium", "nano-miles async S=2 samples/s", num(2))),
+    C(GPU, "The sync batch wait went from {} to {} s, and sync samples/s from {} to {}.",
+      large(VS_TRL, "sync", "generate_s", num(3)), large(GRAPHS, "sync", "generate_s", num(3)),
+      large(VS_TRL, "sync", "samples_per_s", num(0)), large(GRAPHS, "sync", "samples_per_s", num(0))),
+    C(GPU, "Async was unchanged at {} samples/s, because the trainer bounds it ({} s a step).",
+      large(GRAPHS, "async", "samples_per_s", grouped), large(GRAPHS, "async", "train_step_s", num(3))),
+    C(GPU, "Sync ran at {} samples/s, {}× TRL's {}.", large(GRAPHS_PI, "sync", "samples_per_s", num(0)),
+      V(GRAPHS_PI, "large", "nano-miles sync samples/s", num(2)), large(GRAPHS_PI, "trl", "samples_per_s", num(0))),
+    C(GPU, "Async ran at {} samples/s, {}× TRL's, with a train part of {} s a step.",
+      large(GRAPHS_PI, "async", "samples_per_s", grouped), V(GRAPHS_PI, "large", "nano-miles async S=2 samples/s", num(2)),
+      large(GRAPHS_PI, "async", "train_step_s", num(3))),
+    C(GPU, "Held-out accuracy went from {} % to {} % by step {}, {} s after the run started",
+      F(WORD_GPU, "eval_accuracy_start", fmt=pct(1)), F(WORD_GPU, "evals", 1, 1, fmt=pct(1)),
+      F(WORD_GPU, "evals", 1, 0), F(WORD_GPU, "evals", 1, 2, fmt=num(0))),
+    C(GPU, "It reached a peak of {} % at step {} and ended at {} %.", F(WORD_GPU, "eval_accuracy_max", fmt=pct(1)),
+      F(WORD_GPU, step_of_max), F(WORD_GPU, "eval_accuracy_end", fmt=pct(1))),
     # README.md
     C(README, "on a 2-core machine the default {} steps take about {} minutes and lift held-out accuracy from {} % "
               "to a peak of {} % (it ends at {} %; same seed, same run:",
