@@ -93,16 +93,77 @@ def effective_settings(trainer, optimizer) -> dict:
             else "model.generate, the trained weights in place"}
 
 
-def timed(fn, name: str, times: dict, sync):
-    """`fn` that adds its wall time (after a device sync) to times[name]."""
-    def wrapper(*args, **kwargs):
-        sync()
+class Clock:
+    """Training wall time: starts with step 1, stops while `paused()` (the held-out evaluation)."""
+
+    def __init__(self, sync):
+        self.sync, self.start_s, self.paused_s = sync, None, 0.0
+
+    def start(self) -> None:
+        if self.start_s is None:
+            self.start_s = time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        return 0.0 if self.start_s is None else time.perf_counter() - self.start_s - self.paused_s
+
+    def timed(self, fn, name: str, times: dict):
+        """`fn`, adding its wall time (device synced) to times[name]."""
+        def wrapper(*args, **kwargs):
+            self.sync()
+            start_s = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.sync()
+            times[name] = times.get(name, 0.0) + time.perf_counter() - start_s
+            return out
+        return wrapper
+
+    def paused(self, fn, *args):
+        self.sync()
         start_s = time.perf_counter()
-        out = fn(*args, **kwargs)
-        sync()
-        times[name] = times.get(name, 0.0) + time.perf_counter() - start_s
+        out = fn(*args)
+        self.sync()
+        if self.start_s is not None:
+            self.paused_s += time.perf_counter() - start_s
         return out
-    return wrapper
+
+
+class Task:
+    """The config's task for TRL: the train prompts as text and labels, and nano-miles' held-out
+    evaluation (greedy, the same problems, max new tokens and reward function)."""
+
+    def __init__(self, cfg, tokenizer):
+        from nano_miles.rewards import load_reward
+        from nano_miles.tasks import load_problems
+        from nano_miles.tasks.prompts import encode_prompts, prompt_text
+        self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, load_reward(cfg.reward)
+        train, self.test = load_problems(cfg, "train"), load_problems(cfg, "test")
+        self.texts = [prompt_text(tokenizer, p.prompt, chat_template=cfg.task.chat_template,
+                                  system_prompt=cfg.task.system_prompt) for p in train]
+        self.labels = [p.answer for p in train]
+        # TRL tokenizes the text itself: it must come to the ids nano-miles sends the engine
+        for text, ids in zip(self.texts[:64], encode_prompts(tokenizer, train[:64], cfg.task)):
+            if tokenizer(text)["input_ids"] != ids:
+                raise SystemExit(f"TRL would tokenize {text!r} to other ids than nano-miles sends")
+        self.test_ids = encode_prompts(tokenizer, self.test, cfg.task)
+        self.counts = {"num_samples": 0, "num_tokens": 0, "reward": 0.0}
+
+    def reward(self, completions, completion_ids, label, **_) -> list[float]:
+        """TRL's reward function: the config's, on the decoded completions; counts what it scored."""
+        scores = [float(self.reward_fn(c, lbl)["reward"]) for c, lbl in zip(completions, label)]
+        self.counts["num_samples"] += len(completions)
+        self.counts["num_tokens"] += sum(len(ids) for ids in completion_ids)
+        self.counts["reward"] += sum(scores)
+        return scores
+
+    def accuracy(self, model) -> float:
+        from nano_miles.policy.evaluate import generate
+        was_training = model.training
+        model.eval()
+        outs = generate(model, self.tokenizer, self.test_ids, num_samples=1, temperature=0.0,
+                        max_new_tokens=self.cfg.rollout.max_new_tokens)
+        model.train(was_training)
+        solved = [self.reward_fn(o[0], p.answer).get("accuracy", 0.0) for o, p in zip(outs, self.test)]
+        return sum(solved) / len(solved)
 
 
 def main(argv: list[str]) -> int:
@@ -120,65 +181,26 @@ def main(argv: list[str]) -> int:
     except ImportError as e:
         raise UserError(f"TRL's GRPOTrainer needs trl and datasets importable ({e}); "
                         "pip install trl (or bash bench/trl_bundle.sh for a host without network)") from None
-
-    from nano_miles.policy.evaluate import generate
-    from nano_miles.rewards import load_reward
-    from nano_miles.tasks import load_problems
-    from nano_miles.tasks.prompts import encode_prompts, load_tokenizer, prompt_text
+    from nano_miles.tasks.prompts import load_tokenizer
 
     device = torch.device(cfg.trainer.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model_dir = cfg.model_dir
-    tokenizer = load_tokenizer(model_dir)
-    reward_fn = load_reward(cfg.reward)
-    train, test = load_problems(cfg, "train"), load_problems(cfg, "test")
-    texts = [prompt_text(tokenizer, p.prompt, chat_template=cfg.task.chat_template,
-                         system_prompt=cfg.task.system_prompt) for p in train]
-    # TRL tokenizes the text itself: it must come to the ids nano-miles sends the engine
-    for text, ids in zip(texts[:64], encode_prompts(tokenizer, train[:64], cfg.task)):
-        if tokenizer(text)["input_ids"] != ids:
-            raise SystemExit(f"TRL would tokenize {text!r} to other ids than nano-miles sends")
-    dataset = Dataset.from_dict({"prompt": texts, "label": [p.answer for p in train]})
-    test_ids = encode_prompts(tokenizer, test, cfg.task)
-
-    steps: list[dict] = []
+    clock = Clock(torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+    tokenizer = load_tokenizer(cfg.model_dir)
+    task = Task(cfg, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=torch.float32).to(device)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=task.reward, processing_class=tokenizer,
+        args=trl.GRPOConfig(**grpo_settings(cfg, args.out.parent / "trl_output", args.generation)),
+        train_dataset=Dataset.from_dict({"prompt": task.texts, "label": task.labels}))
     phase_s: dict[str, float] = {}
-    counts = {"num_samples": 0, "num_tokens": 0, "reward": 0.0}
-
-    def reward(completions, completion_ids, label, **_):
-        scores = [float(reward_fn(c, lbl)["reward"]) for c, lbl in zip(completions, label)]
-        counts["num_samples"] += len(completions)
-        counts["num_tokens"] += sum(len(ids) for ids in completion_ids)
-        counts["reward"] += sum(scores)
-        return scores
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    settings = trl.GRPOConfig(**grpo_settings(cfg, args.out.parent / "trl_output", args.generation))
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=settings, train_dataset=dataset,
-                              processing_class=tokenizer)
-    trainer._generate = timed(trainer._generate, "generate", phase_s, sync)
-    trainer._calculate_rewards = timed(trainer._calculate_rewards, "score", phase_s, sync)
-    clock = {"start_s": None, "paused_s": 0.0, "step_start_s": 0.0}
-    result = {"settings": None, "trl_version": trl.__version__, "steps": steps, "evals": []}
-
-    def elapsed_s() -> float:
-        return time.perf_counter() - clock["start_s"] - clock["paused_s"]
+    trainer._generate = clock.timed(trainer._generate, "generate", phase_s)
+    trainer._calculate_rewards = clock.timed(trainer._calculate_rewards, "score", phase_s)
+    result = {"settings": None, "trl_version": trl.__version__, "steps": [], "evals": []}
 
     def evaluate(step: int) -> None:
-        was_training = trainer.model.training
-        trainer.model.eval()
-        sync()
-        start_s = time.perf_counter()
-        outs = generate(trainer.model, tokenizer, test_ids, num_samples=1, temperature=0.0,
-                        max_new_tokens=cfg.rollout.max_new_tokens)
-        accuracy = sum(reward_fn(o[0], p.answer).get("accuracy", 0.0) for o, p in zip(outs, test)) / len(test)
-        trainer.model.train(was_training)
-        sync()
-        if clock["start_s"] is not None:
-            clock["paused_s"] += time.perf_counter() - start_s
-        at_s = 0.0 if clock["start_s"] is None else elapsed_s()
-        result["evals"].append([step, accuracy, at_s])
-        print(f"step {step}: held-out accuracy {100 * accuracy:.1f}% at {at_s:.1f}s", flush=True)
+        accuracy = clock.paused(task.accuracy, trainer.model)
+        result["evals"].append([step, accuracy, clock.elapsed_s()])
+        print(f"step {step}: held-out accuracy {100 * accuracy:.1f}% at {clock.elapsed_s():.1f}s", flush=True)
 
     class Measure(TrainerCallback):
         def on_train_begin(self, args_, state, control, optimizer=None, **_):
@@ -186,27 +208,26 @@ def main(argv: list[str]) -> int:
             evaluate(0)
 
         def on_step_begin(self, args_, state, control, **_):
-            sync()
-            if clock["start_s"] is None:
-                clock["start_s"] = time.perf_counter()
-            clock["step_start_s"] = elapsed_s()
+            clock.sync()
+            clock.start()
+            self.step_start_s = clock.elapsed_s()
             phase_s.clear()
-            counts.update(num_samples=0, num_tokens=0, reward=0.0)
+            task.counts.update(num_samples=0, num_tokens=0, reward=0.0)
 
         def on_step_end(self, args_, state, control, **_):
-            sync()
-            step_s = elapsed_s() - clock["step_start_s"]
-            steps.append({"step": state.global_step, "step_s": step_s, "elapsed_s": elapsed_s(),
-                          "reward": counts["reward"] / max(counts["num_samples"], 1),
-                          "num_samples": counts["num_samples"], "num_tokens": counts["num_tokens"],
-                          "phase_s": {"generate": phase_s.get("generate", 0.0), "score": phase_s.get("score", 0.0),
-                                      "train": step_s - sum(phase_s.values())}})
+            clock.sync()
+            step_s, n = clock.elapsed_s() - self.step_start_s, task.counts["num_samples"]
+            result["steps"].append({
+                "step": state.global_step, "step_s": step_s, "elapsed_s": clock.elapsed_s(),
+                "reward": task.counts["reward"] / max(n, 1), "num_samples": n, "num_tokens": task.counts["num_tokens"],
+                "phase_s": {"generate": phase_s.get("generate", 0.0), "score": phase_s.get("score", 0.0),
+                            "train": step_s - sum(phase_s.values())}})
             if state.global_step % max(cfg.trainer.eval_every, 1) == 0 or state.global_step == state.max_steps:
                 evaluate(state.global_step)
 
     trainer.add_callback(Measure())
     trainer.train()
-    result["train_s"] = elapsed_s()
+    result["train_s"] = clock.elapsed_s()
     result["peak_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
