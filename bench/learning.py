@@ -22,6 +22,7 @@ printed and kept in the JSON file.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.learning_runs import WORD_PROBLEMS  # noqa: E402
+from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -101,34 +103,32 @@ def gain_within_target(evals: list, target_s: float) -> float:
     return 100 * (max(acc for _, acc, t in evals if t <= target_s) - evals[0][1])
 
 
+def seed_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a comma-separated list of integers, not {text!r}") from None
+
+
 def main(argv: list[str]) -> int:
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        return 0
-    from nano_miles.run.config import ConfigError, load_config
-    options = {"--seeds": ("0,1,2", lambda v: [int(x) for x in v.split(",")], "a comma-separated list of integers"),
-               "--config": (None, lambda v: str(Path(v).resolve()), "a TOML file"),
-               "--out": (str(RESULTS), Path, "a directory"),
-               "--target-points": (str(TARGET_POINTS), float, "a number of points"),
-               "--target-s": (str(TARGET_S), float, "seconds")}
-    values = {}
-    for flag, (default, parse, what) in options.items():
-        text = default
-        if flag in argv:
-            k = argv.index(flag)
-            text, argv = (argv[k + 1] if k + 1 < len(argv) else ""), argv[:k] + argv[k + 2:]
-        try:
-            values[flag] = None if text is None else parse(text)
-        except ValueError:
-            print(f"{flag} takes {what}, not {text!r}", file=sys.stderr)
-            return 2
-    seeds, out_dir, target_points, target_s = (values[k] for k in ("--seeds", "--out", "--target-points", "--target-s"))
-    if values["--config"] is not None:  # every stage reads the same file
-        os.environ["NANOMILES_CONFIG"] = values["--config"]
-    where = "2 CPU cores" if values["--config"] is None else Path(values["--config"]).name
+    from nano_miles.run.config import ConfigError, is_override, load_config
+    parser = ArgumentParser(prog="python bench/learning.py", description=__doc__)
+    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="run.seed of each run, e.g. 0,1,2")
+    parser.add_argument("--word-problems", action="store_true", help="the own-data example instead")
+    parser.add_argument("--config", type=lambda v: str(Path(v).resolve()), default=None,
+                        help="the TOML file every stage reads (default configs/default.toml)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    parser.add_argument("--target-points", type=float, default=TARGET_POINTS, help="held-out gain to reach")
+    parser.add_argument("--target-s", type=float, default=TARGET_S, help="... within this much wall time")
+    args = parser.parse_args([a for a in argv if not is_override(a)])
+    seeds, out_dir, target_points, target_s = args.seeds, args.out, args.target_points, args.target_s
+    argv = [a for a in argv if is_override(a)]
+    if args.config is not None:  # every stage reads the same file
+        os.environ["NANOMILES_CONFIG"] = args.config
+    where = "2 CPU cores" if args.config is None else Path(args.config).name
     name, title = "learning", f"sync GRPO, small policy, {where}"
-    if "--word-problems" in argv:
-        argv = ([] if values["--config"] else WORD_PROBLEMS) + [a for a in argv if a != "--word-problems"]
+    if args.word_problems:
+        argv = ([] if args.config else WORD_PROBLEMS) + argv
         name, title = "learning_word_problems", f"sync GRPO, word problems (JSONL, chat template), {where}"
     try:
         cfg = load_config(overrides=argv)
@@ -177,4 +177,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(main, "learning")

@@ -42,11 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.servers import REPO_ROOT  # noqa: E402
+from harness.trl_grpo import MUST_MATCH, nano_settings  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, UserError, run  # noqa: E402
-from harness.trl_grpo import MUST_MATCH, nano_settings  # noqa: E402
-from staleness import time_to_reach  # noqa: E402
 from nano_miles.run.config import is_override, load_config  # noqa: E402
+from staleness import time_to_reach  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # policy -> (its config, held-out points above the runs' mean start that count as the target)

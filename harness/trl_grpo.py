@@ -106,24 +106,27 @@ class Clock:
     def elapsed_s(self) -> float:
         return 0.0 if self.start_s is None else time.perf_counter() - self.start_s - self.paused_s
 
+    def synced(self, fn, *args, **kwargs) -> tuple[object, float]:
+        """fn's result and its wall time, the device synced before and after."""
+        self.sync()
+        start_s = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.sync()
+        return out, time.perf_counter() - start_s
+
     def timed(self, fn, name: str, times: dict):
-        """`fn`, adding its wall time (device synced) to times[name]."""
+        """`fn`, adding its wall time to times[name]."""
         def wrapper(*args, **kwargs):
-            self.sync()
-            start_s = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.sync()
-            times[name] = times.get(name, 0.0) + time.perf_counter() - start_s
+            out, seconds = self.synced(fn, *args, **kwargs)
+            times[name] = times.get(name, 0.0) + seconds
             return out
         return wrapper
 
     def paused(self, fn, *args):
-        self.sync()
-        start_s = time.perf_counter()
-        out = fn(*args)
-        self.sync()
+        """fn(*args) off the clock."""
+        out, seconds = self.synced(fn, *args)
         if self.start_s is not None:
-            self.paused_s += time.perf_counter() - start_s
+            self.paused_s += seconds
         return out
 
 
