@@ -19,6 +19,11 @@ from pathlib import Path
 from nano_miles.wire.sockets import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def proc_command(name: str) -> list[str]:
+    """How supervisord starts the pipeline process `name` (a file of procs/), with this interpreter."""
+    return [sys.executable, str(REPO_ROOT / "procs" / f"{name}.py")]
 # Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
 # capture costs start-up time and nothing measured here depends on decode speed.
 SGLANG_EXTRA_ARGS = "--attention-backend triton --disable-cuda-graph"
@@ -57,11 +62,10 @@ def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = No
 
 def launch(model_dir: Path | str, log_path: Path, overrides: list[str], timeout_s: float, stop, *,
            is_new_session: bool = False) -> tuple[subprocess.Popen, str]:
-    """An engine on a free port through the pipeline's own launcher (`python -m nano_miles.engine`),
+    """An engine on a free port through the pipeline's own launcher (`procs/engine.py`),
     the way supervisord starts one; it execs the server, so `proc` is the server itself."""
     port = free_port()
-    cmd = [sys.executable, "-m", "nano_miles.engine", f"--model.path={model_dir}", f"--engine.port={port}",
-           *overrides]
+    cmd = [*proc_command("engine"), f"--model.path={model_dir}", f"--engine.port={port}", *overrides]
     return spawn_server(cmd, log_path, f"http://127.0.0.1:{port}", timeout_s, stop,
                         is_new_session=is_new_session)
 
@@ -84,7 +88,7 @@ def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, sto
         wait_for_http(url + "/health", timeout_s=timeout_s, proc=proc)
     except (RuntimeError, TimeoutError):
         stop(proc)
-        raise RuntimeError(f"{' '.join(cmd[2:4])} failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd[1:3])} failed to start; log:\n{Path(log_path).read_text()[-4000:]}")
     return proc, url
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.servers import REPO_ROOT, proc_command
 from nano_miles.engine.launch import engine_command
 from nano_miles.run.cli import ArgumentParser
 from nano_miles.run.config import Config, ConfigError, load_config, parse_config
@@ -91,7 +92,7 @@ def test_replicas_are_engines_started_here_and_get_a_router():
 def test_supervisord_conf_has_a_slot_for_every_replica_a_config_may_ask_for():
     import configparser
 
-    from nano_miles.run.config import MAX_REPLICAS, REPO_ROOT
+    from nano_miles.run.config import MAX_REPLICAS
     conf = configparser.RawConfigParser()
     conf.read(REPO_ROOT / "supervisord.conf")
     assert 1 + int(conf["program:replica"]["numprocs"]) == MAX_REPLICAS  # engine, then replicas 1..N-1
@@ -167,7 +168,7 @@ def test_router_command_line():
 def test_an_unused_slot_says_so_and_exits_0(slot):
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "nano_miles.engine", *slot], capture_output=True, text=True,
+    result = subprocess.run([*proc_command("engine"), *slot], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "is not used: engine.replicas = " in result.stdout, result
 
@@ -182,12 +183,12 @@ def test_sglang_gets_the_configured_dtype(tmp_path, dtype):
 def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
     import subprocess
     import sys
-    result = subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
+    result = subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.path" in result.stderr and "config.json" in result.stderr
     (tmp_path / "config.json").write_text("{}")
-    result = subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
+    result = subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and str(tmp_path) in result.stdout
 
@@ -203,9 +204,24 @@ def test_sglang_health_checks_do_not_generate(tmp_path, preset):
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"}
     if preset:
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = preset
-    printed = {kind: subprocess.run([sys.executable, "-m", "nano_miles.engine", f"--model.path={tmp_path}",
+    printed = {kind: subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
                                      f"--engine.kind={kind}", "--print"], env=env, capture_output=True, text=True,
                                     timeout=60).stdout.split()
                for kind in ("sglang", "local")}
     assert printed["sglang"][0] == f"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION={preset or 'false'}", printed
     assert printed["local"][0] == sys.executable, printed
+
+
+def test_the_built_in_defaults_are_configs_default_toml(tmp_path, monkeypatch):
+    """Outside a checkout (no configs/default.toml in the working directory: an installed package used
+    elsewhere) the built-in defaults apply, and they are exactly what configs/default.toml spells out;
+    relative paths are the working directory's, and the shipped policy is found inside the package."""
+    monkeypatch.delenv("NANOMILES_CONFIG", raising=False)
+    monkeypatch.delenv("NANOMILES_OVERRIDES", raising=False)
+    monkeypatch.chdir(REPO_ROOT)
+    in_checkout = load_config().to_dict()
+    monkeypatch.chdir(tmp_path)
+    elsewhere = load_config()
+    assert elsewhere.to_dict() == in_checkout
+    assert elsewhere.run_dir == tmp_path / "runs" / "current"
+    assert (elsewhere.model_dir / "config.json").is_file() and "nano_miles" in elsewhere.model_dir.parts

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from harness.servers import REPO_ROOT
+from harness.servers import REPO_ROOT, proc_command
 from nano_miles.run.cli import UserError
 from nano_miles.run.config import Config, RunConfig, TaskConfig
 from nano_miles.tasks import Problem, load_problems
@@ -88,7 +88,7 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key,
         read_problems(str(path), (key, "label"), "train")
     # the stage that reads it stops at its start: one line, exit 2, no traceback
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
-    result = subprocess.run([sys.executable, "-m", "nano_miles.stages.rollout", f"--run.dir={tmp_path}/run",
+    result = subprocess.run([*proc_command("rollout"), f"--run.dir={tmp_path}/run",
                              f"--task.name={FILES}", f"--task.train_file={path}", f"--task.prompt_key={key}",
                              "--task.num_test=0"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)

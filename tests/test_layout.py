@@ -15,8 +15,9 @@ MAX_MODULE_LINES = 400
 # all that the pure math may import: tensors and the standard library's plain data helpers
 ALGO_MAY_IMPORT = ("torch", "numpy", "math", "dataclasses", "typing", "__future__", "nano_miles.algo")
 ALGO_MAY_NOT_IMPORT = ("torch.distributed", "torch.multiprocessing", "torch.utils.data")
-ENTRY_POINTS = ("nano_miles.stages.rollout.__main__", "nano_miles.stages.reward.__main__",
-                "nano_miles.stages.trainer.__main__", "nano_miles.engine.__main__", "nano_miles.local_engine.__main__")
+PROCS = sorted((ROOT / "procs").glob("*.py"))  # one thin entry point per process supervisord starts
+MAX_PROC_LINES = 80
+ENTRY_POINTS = [*PROCS, PACKAGE / "local_engine" / "__main__.py", PACKAGE / "policy" / "__main__.py"]
 CLI = "nano_miles.run.cli"  # UserError and `run`: what turns a user's mistake into one line
 # the engine side of each weight transport, and everything the engine process runs
 ENGINE_SIDE = ("nano_miles.local_engine", "nano_miles.weights.tensor_receiver", "nano_miles.weights.flat_receiver",
@@ -179,14 +180,31 @@ def module_level_imports(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("name", ENTRY_POINTS)
-def test_every_process_is_a_thin_module_entry_point(name):
-    """Every process starts as `python -m <package>`; its __main__ imports only the standard library
-    and the user-error path (itself standard library only) before `main` runs, and the heavy parts
-    after the config is parsed: `--help` answers at once."""
-    top = {m for m in module_level_imports(MODULES[name]) if m != CLI}
+def test_procs_holds_one_file_per_supervisord_program():
+    """The tree shows the processes: every program supervisord.conf starts is a file of procs/."""
+    import re
+    commands = re.findall(r"^command=python %\(here\)s/procs/(\w+)\.py", (ROOT / "supervisord.conf").read_text(), re.M)
+    assert sorted(set(commands)) == sorted(p.stem for p in PROCS) == ["engine", "reward", "rollout", "run_end",
+                                                                      "trainer"]
+
+
+@pytest.mark.parametrize("path", PROCS, ids=lambda p: p.name)
+def test_every_proc_is_thin_and_finds_the_library_installed(path):
+    """A procs/ file parses the config, builds the stage and runs it: small, and no `sys.path` edit
+    (the installed package is found from any working directory supervisord gives it)."""
+    text = path.read_text()
+    assert len(text.splitlines()) <= MAX_PROC_LINES, f"{path.name}: {len(text.splitlines())} lines"
+    assert "sys.path" not in text, f"{path.name} edits sys.path"
+
+
+@pytest.mark.parametrize("path", ENTRY_POINTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_process_imports_nothing_heavy_before_its_config(path):
+    """An entry point imports only the standard library and the user-error path (itself standard
+    library only) before `main` runs, and the heavy parts after the config is parsed: `--help` answers
+    at once."""
+    top = {m for m in module_level_imports(path) if m != CLI}
     top = {m.split(".")[0] for m in top}
-    assert top <= set(sys.stdlib_module_names), f"{name} imports {top - set(sys.stdlib_module_names)} at import"
+    assert top <= set(sys.stdlib_module_names), f"{path.name} imports {top - set(sys.stdlib_module_names)} at import"
 
 
 def test_the_user_error_path_needs_only_the_standard_library():

@@ -21,7 +21,7 @@ def requirement_names(requirements: list[str]) -> set[str]:
 
 def third_party_imports() -> set[str]:
     found = set()
-    for path in (ROOT / "nano_miles").rglob("*.py"):
+    for path in [*(ROOT / "nano_miles").rglob("*.py"), *(ROOT / "procs").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found.update(a.name.split(".")[0] for a in node.names)

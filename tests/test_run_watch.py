@@ -6,7 +6,7 @@ tests/test_hardening.py; here the decisions are driven event by event.
 
 import xmlrpc.client
 
-from nano_miles.run.run_end import CRASH_WINDOW_S, MAX_QUICK_CRASHES, RunWatch, parse_payload
+from nano_miles.run.watch import CRASH_WINDOW_S, MAX_QUICK_CRASHES, RunWatch, parse_payload
 
 
 def event(watch: RunWatch, name: str, payload: str, now: float):

@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from harness.servers import REPO_ROOT, free_port
+from harness.servers import REPO_ROOT, free_port, proc_command
 
-# every `python -m` entry point of the project
+PROCS = ("rollout", "reward", "trainer", "engine", "run_end")  # the files of procs/
+# every other entry point of the project: `python -m <module>`
 ENTRY_POINTS = {
-    "rollout": "nano_miles.stages.rollout", "reward": "nano_miles.stages.reward",
-    "trainer": "nano_miles.stages.trainer", "engine": "nano_miles.engine",
+    **{name: None for name in PROCS},
     "top": "nano_miles.observe.top", "status": "nano_miles.observe.status",
     "report": "nano_miles.observe.report", "config": "nano_miles.run.config", "keys": "nano_miles.run.keys",
-    "run_end": "nano_miles.run.run_end", "policy": "nano_miles.policy", "fsdp_step": "harness.fsdp_step",
+    "policy": "nano_miles.policy", "fsdp_step": "harness.fsdp_step",
     "samples": "nano_miles.observe.samples", "export": "nano_miles.export",
     "word_problems": "nano_miles.tasks.word_problems",
 }
@@ -36,7 +36,8 @@ def run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
                    "--rollout.metrics_port=0", "--reward.metrics_port=0", "--trainer.metrics_port=0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
     env["PYTHONPATH"] = str(REPO_ROOT)  # harness/ is not installed
-    return subprocess.run([sys.executable, "-m", ENTRY_POINTS[name], *private, *args], cwd=cwd, env=env,
+    command = proc_command(name) if name in PROCS else [sys.executable, "-m", ENTRY_POINTS[name]]
+    return subprocess.run([*command, *private, *args], cwd=cwd, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -44,7 +45,8 @@ def run(tmp_path, name: str, *args: str) -> subprocess.CompletedProcess:
 def test_help_explains_and_does_nothing_else(tmp_path, name):
     result = run(tmp_path, name, "--help")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: python -m ") and result.stderr == ""
+    prog = f"python procs/{name}.py" if name in PROCS else f"python -m {ENTRY_POINTS[name]}"
+    assert result.stdout.startswith(f"usage: {prog} ") and result.stderr == ""
     assert not list((tmp_path / "cwd").iterdir()) and not (tmp_path / "run").exists()
 
 

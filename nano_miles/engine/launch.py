@@ -1,7 +1,7 @@
 """The engine slots' command lines: the local engine or SGLang (both serve one HTTP contract), and the
 router in front of several of them.
 
-Library module of `python -m nano_miles.engine`, which execs one of these in each slot of supervisord.conf.
+Library module of `procs/engine.py`, which execs one of these in each slot of supervisord.conf.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Local inference engine process: serves a causal LM over SGLang's token-in/token-out HTTP API.
 Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--port 30000] [--device cpu]
-(in the pipeline `python -m nano_miles.engine` starts it, as it would start `python -m sglang.launch_server`)
+(in the pipeline `procs/engine.py` starts it, as it would start `python -m sglang.launch_server`)
 """
 
 import argparse

@@ -27,9 +27,11 @@ from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FU
                                   URL_OR_EMPTY, URLS, above, at_least, between, checked, one_of)
 from nano_miles.wire.control import PAUSE_MODES
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
-DEFAULT_POLICY_DIR = REPO_ROOT / "nano_miles" / "assets" / "policy"  # the shipped small policy
+# Relative paths are the working directory's, as for any command: supervisord runs every stage in the
+# checkout (`directory=%(here)s`). Without `configs/default.toml` there (an installed package used from
+# elsewhere) the built-in defaults apply; that file spells them out, and tests/test_config.py keeps the two equal.
+DEFAULT_CONFIG = Path("configs") / "default.toml"
+DEFAULT_POLICY_DIR = Path(__file__).resolve().parents[1] / "assets" / "policy"  # the shipped small policy
 
 
 class ConfigError(UserError):
@@ -247,8 +249,7 @@ class Config:
 
     @property
     def run_dir(self) -> Path:
-        p = Path(self.run.dir)
-        return p if p.is_absolute() else REPO_ROOT / p
+        return Path(self.run.dir).absolute()
 
     @property
     def model_dir(self) -> Path:
@@ -325,7 +326,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Merge defaults, the TOML file, $NANOMILES_OVERRIDES and `overrides`; validate every key."""
     path = Path(path or os.environ.get("NANOMILES_CONFIG") or DEFAULT_CONFIG)
     try:
-        file_table = tomllib.loads(path.read_text())
+        is_builtin = path == DEFAULT_CONFIG and not path.is_file()
+        file_table = {} if is_builtin else tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:

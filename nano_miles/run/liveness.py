@@ -5,7 +5,7 @@ main loop and from every loop that waits on a peer (a stage waiting for its engi
 alive, not hung). `beat` writes `<run dir>/heartbeat/<stage>.json` at most once a second: the pid, the
 time and what the stage waits for. The beat comes only from the loop itself, never from a helper
 thread, so a stage that is stopped (SIGSTOP), deadlocked or stuck in a call stops beating;
-`nano_miles/run/run_end.py` restarts it after `run.hang_timeout_s` through supervisord.
+the run's listener (`procs/run_end.py`, `nano_miles/run/watch.py`) restarts it after `run.hang_timeout_s` through supervisord.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What every pipeline process sets up the same way: logging, the run directory, signals, threads.
 
-Library module called first by each stage's entry point (`python -m nano_miles.stages.<stage>`).
+Library module called first by each stage's entry point (`procs/<stage>.py`).
 """
 
 from __future__ import annotations

@@ -4,5 +4,6 @@
     reward/    RolloutGroups -> rewards and group advantages -> ScoredGroups (the reward function in a child)
     trainer/   ScoredGroups -> GRPO steps -> weights pushed to the engine (checkpoints, evaluation)
 
-Each is started as `python -m nano_miles.stages.<stage>` (its `__main__.py`, a thin entry point).
+Each is a library; its process is a thin entry point in the repository's `procs/` (`procs/rollout.py`,
+`procs/reward.py`, `procs/trainer.py`), which supervisord starts.
 """

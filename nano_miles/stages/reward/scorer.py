@@ -1,6 +1,6 @@
 """The reward stage: scores every sample of a group, computes group advantages, forwards the group.
 
-Run under supervisord as `python -m nano_miles.stages.reward [--section.key=value ...]`.
+Library module of `procs/reward.py`, the reward process supervisord starts.
 A group comes from `nano_miles/stages/rollout/producer.py`: `nano_miles/wire/data.py` decodes it,
 `worker.py` scores each sample, `nano_miles/algo/grpo.py` whitens the rewards into advantages; it goes
 on in `nano_miles/stages/trainer/step_loop.py`. Stateless: a restart loses nothing it owned; groups

@@ -1,6 +1,6 @@
 """The rollout producer: turns dataset prompts into `RolloutGroup`s with the engine, under a version gate.
 
-Run under supervisord as `python -m nano_miles.stages.rollout [--section.key=value ...]`.
+Library module of `procs/rollout.py`, the rollout process supervisord starts.
 A sample's path starts here: `ledger.py` picks the group, `nano_miles/engine/client.py` generates its
 samples, `nano_miles/wire/data.py` encodes it; it goes on in `nano_miles/stages/reward/scorer.py`.
 

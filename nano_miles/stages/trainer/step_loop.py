@@ -1,6 +1,6 @@
 """The trainer: pulls scored groups, takes GRPO steps, hot-updates the engine's weights, evaluates.
 
-Run under supervisord as `python -m nano_miles.stages.trainer [--section.key=value ...]`.
+Library module of `procs/trainer.py`, the trainer process supervisord starts.
 The modules it names, in the order a batch meets them: `nano_miles/wire/data.py` (decode),
 `nano_miles/algo/grpo.py` (assemble, log-probs), `nano_miles/algo/loss.py` (loss), `peers.py`
 (commit, weight update through `nano_miles/weights/`), `checkpoint.py`, `nano_miles/observe/run_record.py`.

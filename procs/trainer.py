@@ -1,6 +1,6 @@
 """Trainer process: scored groups -> GRPO steps -> weight hot-updates of the engine; ends the run.
 
-Run: python -m nano_miles.stages.trainer [--config FILE] [--section.key=value ...]   (usually by supervisord)
+Run: python procs/trainer.py [--config FILE] [--section.key=value ...]   (usually by supervisord)
 Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
 """
 
@@ -9,7 +9,7 @@ from nano_miles.run.cli import ArgumentParser, UserError, run
 
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
-    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.trainer", description=__doc__))
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/trainer.py", description=__doc__))
     from nano_miles.rewards import load_reward
     from nano_miles.tasks import load_problems
     # plug-ins and data that cannot serve the config: one line now, before the heavy imports

@@ -1,6 +1,6 @@
 """Engine slot process: starts one configured engine (the local engine or SGLang) or the router.
 
-Run: python -m nano_miles.engine [--replica K | --router] [--config FILE] [--section.key=value ...] [--print]
+Run: python procs/engine.py [--replica K | --router] [--config FILE] [--section.key=value ...] [--print]
 (usually by supervisord). The process replaces itself (exec) with the server, so supervisord's signals
 reach it. supervisord.conf has a fixed number of engine slots and one router slot; a slot the config
 does not use (replica K >= engine.replicas, or the router of a single engine) says so and exits 0,
@@ -13,10 +13,13 @@ from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
-    from nano_miles.engine.launch import engine_command, engine_env, router_command
-    from nano_miles.run.config import REPO_ROOT, parse_config
+    from pathlib import Path
 
-    parser = ArgumentParser(prog="python -m nano_miles.engine", description=__doc__)
+    import nano_miles
+    from nano_miles.engine.launch import engine_command, engine_env, router_command
+    from nano_miles.run.config import parse_config
+
+    parser = ArgumentParser(prog="python procs/engine.py", description=__doc__)
     slot = parser.add_mutually_exclusive_group()
     slot.add_argument("--replica", type=int, default=0, metavar="K",
                       help="which engine: it serves on engine.port + K (default 0)")
@@ -36,8 +39,9 @@ def main(argv: list[str]) -> int:
         print(" ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]))
         return 0
     os.environ.update(env)
-    # the server (and SGLang's scheduler processes, which import the flat loader) find this checkout
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    # the server (and SGLang's scheduler processes, which import the flat loader) find this nano_miles
+    import_root = str(Path(nano_miles.__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (import_root, os.environ.get("PYTHONPATH", "")) if p)
     os.execv(cmd[0], cmd)
 
 

@@ -1,6 +1,6 @@
 """Rollout producer process: dataset prompts -> engine /generate -> RolloutGroups PUSHed to reward.
 
-Run: python -m nano_miles.stages.rollout [--config FILE] [--section.key=value ...]   (usually by supervisord)
+Run: python procs/rollout.py [--config FILE] [--section.key=value ...]   (usually by supervisord)
 """
 
 from nano_miles.run.cli import ArgumentParser, run
@@ -8,7 +8,7 @@ from nano_miles.run.cli import ArgumentParser, run
 
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
-    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.rollout", description=__doc__))
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/rollout.py", description=__doc__))
     from nano_miles.tasks import load_problems
     from nano_miles.tasks.prompts import encode_prompts, load_tokenizer, stop_token_ids
     problems = load_problems(cfg, "train")  # a task that cannot serve the config: one line, now
@@ -21,7 +21,11 @@ def main(argv: list[str]) -> int:
     prompts = encode_prompts(tokenizer, problems, cfg.task)
     stops = stop_token_ids(cfg.model_dir, tokenizer, chat_template=cfg.task.chat_template)
     setup_process("rollout", cfg)
-    RolloutProducer(cfg, zmq.Context.instance(), problems, prompts, stops).run()
+    producer = RolloutProducer(cfg, zmq.Context.instance(), problems, prompts, stops)
+    try:
+        producer.run()
+    finally:  # SIGTERM from supervisord exits through here: sockets and HTTP sessions closed
+        producer.close()
     return 0
 
 

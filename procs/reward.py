@@ -1,6 +1,6 @@
 """Reward process: PULLs RolloutGroups, scores them, computes group advantages, PUSHes ScoredGroups.
 
-Run: python -m nano_miles.stages.reward [--config FILE] [--section.key=value ...]   (usually by supervisord)
+Run: python procs/reward.py [--config FILE] [--section.key=value ...]   (usually by supervisord)
 """
 
 from nano_miles.run.cli import ArgumentParser, run
@@ -8,7 +8,7 @@ from nano_miles.run.cli import ArgumentParser, run
 
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
-    cfg, _ = parse_config(argv, ArgumentParser(prog="python -m nano_miles.stages.reward", description=__doc__))
+    cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/reward.py", description=__doc__))
     from nano_miles.rewards import load_reward
     from nano_miles.tasks.prompts import load_tokenizer, make_decoder
     reward_fn = load_reward(cfg.reward)  # one that does not import: one line, before anything starts

@@ -1,7 +1,7 @@
-"""supervisord event listener that watches the run: ends it when training is done or a stage cannot be
-kept running, and restarts a stage that hangs.
+"""What the run's supervisord event listener decides: end the run when training is done or a stage cannot
+be kept running, restart a stage that hangs.
 
-Run by supervisord as `[eventlistener:run_end]` (see supervisord.conf); not meant to be run by hand.
+Library module of `procs/run_end.py`, the `[eventlistener:run_end]` of supervisord.conf.
 
 * The trainer exits with an expected code: training is done; supervisord is asked to shut down, so
   `supervisord -c supervisord.conf` returns by itself.
@@ -19,13 +19,11 @@ Run by supervisord as `[eventlistener:run_end]` (see supervisord.conf); not mean
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import xmlrpc.client
 from pathlib import Path
 
-from nano_miles.run.cli import ArgumentParser, run
 from nano_miles.run.liveness import read_heartbeat
 
 CRASH_WINDOW_S = 30.0   # an exit this soon after its start counts as a crash on start
@@ -96,32 +94,3 @@ class RunWatch:
 def log(line: str) -> None:
     sys.stderr.write(f"{time.strftime('%H:%M:%S')} run_end: {line}\n")
     sys.stderr.flush()
-
-
-def main(argv: list[str]) -> int:
-    ArgumentParser(prog="python -m nano_miles.run.run_end", description=__doc__).parse_args(argv)  # --help
-    from supervisor import childutils
-
-    from nano_miles.run.config import load_config
-    cfg = load_config()  # the run's config: $NANOMILES_CONFIG and $NANOMILES_OVERRIDES
-    rpc = childutils.getRPCInterface(os.environ).supervisor
-    watch = RunWatch(Path(os.environ.get("NANOMILES_RUN_DIR", cfg.run_dir)), cfg.run.hang_timeout_s, rpc)
-    while True:
-        childutils.listener.ready(sys.stdout)
-        line = sys.stdin.readline()
-        if not line:
-            return 0  # supervisord closed our stdin: it is shutting down
-        headers = childutils.get_headers(line)
-        payload = sys.stdin.read(int(headers["len"]))
-        reason = watch.on_event(headers["eventname"], parse_payload(payload), time.time())
-        if reason is not None and not watch.is_ending:
-            watch.is_ending = True
-            if reason != "done":
-                (watch.run_dir / "FAILED").write_text(reason + "\n")
-            log(f"{reason}; shutting supervisord down")
-            rpc.shutdown()
-        childutils.listener.ok(sys.stdout)
-
-
-if __name__ == "__main__":
-    run(main, "run_end")
