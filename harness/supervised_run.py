@@ -49,8 +49,11 @@ class SupervisedRun:
 
     def start(self) -> "SupervisedRun":
         # as a module of this interpreter: offline bundles carry the package without its console scripts
+        # appended to, not written at an offset: the trainer's log reaches the same file through a
+        # second open of /dev/stdout (supervisord.conf), and the two would overwrite each other
+        self.output.write_bytes(b"")
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
-                                     cwd=REPO, env=self.env, stdout=self.output.open("wb"),
+                                     cwd=REPO, env=self.env, stdout=self.output.open("ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

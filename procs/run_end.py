@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         reason = watch.on_event(headers["eventname"], parse_payload(payload), time.time())
         if reason is not None and not watch.is_ending:
             watch.is_ending = True
-            if reason != "done":
+            if reason.startswith("failed"):  # not for a refusal: the run directory may be a finished run's
                 (watch.run_dir / "FAILED").write_text(reason + "\n")
             log(f"{reason}; shutting supervisord down")
             rpc.shutdown()

@@ -11,7 +11,9 @@ def main(argv: list[str]) -> int:
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/trainer.py", description=__doc__))
     from nano_miles.rewards import load_reward
+    from nano_miles.run.identity import refuse_a_finished_run
     from nano_miles.tasks import load_problems
+    refuse_a_finished_run(cfg.run_dir)  # a second supervisord on a finished run: one line, nothing started
     # plug-ins and data that cannot serve the config: one line now, before the heavy imports
     reward_fn, test_problems = load_reward(cfg.reward), load_problems(cfg, "test")
     num_items = len(load_problems(cfg, "train"))  # group ids <-> positions in the train split

@@ -55,7 +55,7 @@ def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
     cfg = load_config(overrides=[
         f"--engine.port={url.rsplit(':', 1)[1]}", "--rollout.group_size=4", "--rollout.max_new_tokens=400",
         f"--rollout.temperature={TEMPERATURE}", f"--rollout.control_endpoint=ipc://{tmp_path}/c",
-        f"--reward.endpoint=ipc://{tmp_path}/r"])
+        f"--reward.endpoint=ipc://{tmp_path}/r", "--rollout.metrics_port=0"])  # not the default 9101
     ctx = zmq.Context()
     prompt = [5, 6, 7, 8, 9]
     producer = RolloutProducer(cfg, ctx, [Problem("p", "0")], [prompt], stop_token_ids=[])

@@ -63,7 +63,7 @@ def test_trainer_killed_between_weight_push_and_checkpoint(tmp_path):
     finally:
         run.stop()
     trainer_log = (run.run_dir / "trainer.log").read_text()
-    assert "resumed from step_000004" in trainer_log
+    assert "from step 4 of 12" in trainer_log and "checkpoints/step_000004" in trainer_log
     after = run.steps()
     assert sorted(after) == list(range(1, 13))
     for step in range(1, 5):  # checkpointed history is kept as it was

@@ -89,4 +89,4 @@ def test_a_run_continues_from_another_runs_checkpoint(own_data_run, tmp_path):
         json.loads((first.run_dir / "run.json").read_text())["run_id"]
     ledger = run.summary()["ledger"]
     assert ledger["num_trained_once"] == NUM_STEPS * 4 and ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0
-    assert "resumed from" in (run.run_dir / "trainer.log").read_text()
+    assert "resuming run" in (run.run_dir / "trainer.log").read_text()

@@ -1,6 +1,7 @@
 """The whole pipeline under the real supervisord: sync GRPO learns, versions and staleness hold,
 and the stages may be started in any order."""
 
+import json
 import time
 
 import pytest
@@ -53,7 +54,7 @@ def reference_run(tmp_path_factory):
     run = SupervisedRun(tmp_path_factory.mktemp("reference"), ORDER).start()
     try:
         assert run.wait(timeout_s=300) == 0, run.tail()
-        yield run.metrics()
+        yield run
     finally:
         run.stop()
 
@@ -69,6 +70,25 @@ def test_start_order_does_not_matter(supervised, reference_run, order):
         assert "started" in out, out
         time.sleep(1.0)  # let the earlier stage get ahead: the others must wait for it, not fail
     assert run.wait(timeout_s=300) == 0, run.tail()
-    got, want = run.metrics(), reference_run
+    got, want = run.metrics(), reference_run.metrics()
     assert [sorted(r["group_ids"]) for r in got] == [sorted(r["group_ids"]) for r in want]
     assert [r["version"] for r in got] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_second_supervisord_on_a_finished_run_refuses_in_one_line(reference_run):
+    """`supervisord -c supervisord.conf` again on a run directory whose run finished: the trainer says
+    so in one line and the run ends at once, touching nothing of the finished run."""
+    run_dir = reference_run.run_dir
+    before = {name: (run_dir / name).read_text() for name in ("summary.json", "metrics.jsonl", "run.json")}
+    again = SupervisedRun(run_dir, ORDER).start()
+    try:
+        assert again.wait(timeout_s=120) == 0, again.tail()
+    finally:
+        again.stop()
+    output = again.output.read_text()
+    said = [line for line in output.splitlines() if "holds the finished run" in line]
+    run_id = json.loads(before["run.json"])["run_id"]
+    assert len(said) == 1 and run_id in said[0] and "move it aside" in said[0], output
+    assert "Traceback" not in output and not (run_dir / "FAILED").exists()
+    assert {name: (run_dir / name).read_text() for name in before} == before

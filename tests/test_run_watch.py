@@ -54,3 +54,20 @@ def test_ticks_while_supervisord_shuts_down_do_not_end_the_listener(tmp_path):
     assert event(watch, "TICK_5", "when:1000", 1000.0) is None  # the fault is logged, not raised
     watch.is_ending = True
     assert event(watch, "TICK_5", "when:1005", 1005.0) is None
+
+
+class Exited:
+    """supervisord's XML-RPC interface after the trainer exited with `status`."""
+
+    def __init__(self, status: int):
+        self.status = status
+
+    def getProcessInfo(self, name):
+        return {"name": name, "statename": "EXITED", "exitstatus": self.status}
+
+
+def test_a_trainer_that_refused_to_start_ends_the_run_as_refused_not_done(tmp_path):
+    exited = "processname:trainer groupname:nanomiles from_state:RUNNING expected:1 pid:3"
+    assert event(RunWatch(tmp_path, 0, supervisor=Exited(0)), "PROCESS_STATE_EXITED", exited, 1.0) == "done"
+    reason = event(RunWatch(tmp_path, 0, supervisor=Exited(2)), "PROCESS_STATE_EXITED", exited, 1.0)
+    assert reason.startswith("refused: the trainer would not start (exit 2)") and "trainer.log" in reason

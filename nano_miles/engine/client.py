@@ -2,8 +2,9 @@
 Used by the rollout producer and the trainer; try `EngineClient("http://127.0.0.1:30000").health()`.
 
 Thread-safe: each thread keeps its own keep-alive connection. Non-2xx answers raise EngineError with the
-server's message. Logprob entries are indexed (e[0], e[1]), never unpacked: SGLang sends
-[logprob, token_id, text] while some mocks send pairs.
+server's message. Logprob entries are read by index (e[0] the logprob, e[1] the token id), never
+unpacked: SGLang sends [logprob, token_id, text] (the local engine too, text None), and a field it
+appends later must not break the client.
 """
 
 import hashlib

@@ -52,8 +52,8 @@ def engine_env(cfg: Config) -> dict[str, str]:
 
     SGLang 0.5.16's /health runs a one-token generation under the lock that weight updates take
     exclusively, and its scheduler leaves that generation unanswered while it is busy, so one check
-    can hold the lock for a second (http_server.py `health_generate`, scheduler.py
-    `process_input_requests`). Behind the router, which checks every engine once a second, updates
+    can hold the lock for a second (SGLang's `http_server.health_generate` and
+    `scheduler.Scheduler.process_input_requests`). Behind the router, which checks every engine once a second, updates
     of idle engines took 357 ms p50 on an H200 against 5 ms for one engine; this lock is the cause
     the source points to. Without the generation /health still answers 503 while the server starts,
     and a dead scheduler takes the whole server down with it."""

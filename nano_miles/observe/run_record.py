@@ -26,6 +26,7 @@ import numpy as np
 from nano_miles.observe.plots import write_plots
 from nano_miles.observe.queues import QueueRecorder
 from nano_miles.observe.sinks import make_sinks, scalars
+from nano_miles.run.identity import FINISHED_FILE
 from nano_miles.wire.codec import group_id_at, position_of
 
 
@@ -307,7 +308,7 @@ class RunRecord:
     def finish(self, steps: list[dict], summary: dict, ledger: dict) -> None:
         """Write summary.json and ledger.json, stop the queue recorder and the sinks, draw the plots."""
         (self.run_dir / "ledger.json").write_text(json.dumps(ledger, indent=2))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (self.run_dir / FINISHED_FILE).write_text(json.dumps(summary, indent=2))
         if self.recorder is not None:
             self.recorder.stopped.set()
             self.recorder.join(timeout=5)

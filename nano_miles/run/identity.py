@@ -15,7 +15,20 @@ import time
 import uuid
 from pathlib import Path
 
+from nano_miles.run.cli import UserError
+
 RUN_FILE = "run.json"
+FINISHED_FILE = "summary.json"  # the trainer writes it once the run's last step is done
+
+
+def refuse_a_finished_run(run_dir: Path) -> None:
+    """A run directory that holds a finished run takes no new one: a UserError, one line. (Starting
+    supervisord there again would otherwise resume a run that has nothing left to do.)"""
+    if (run_dir / FINISHED_FILE).is_file():
+        found = read_run_identity(run_dir)
+        run = f"the finished run {found[0]}" if found else "a finished run"
+        raise UserError(f"{run_dir} holds {run} (its {FINISHED_FILE} is there): move it aside "
+                        "(`make run` does) or pass another --run.dir")
 
 
 def read_run_identity(run_dir: Path) -> tuple[str, float] | None:

@@ -3,8 +3,9 @@ be kept running, restart a stage that hangs.
 
 Library module of `procs/run_end.py`, the `[eventlistener:run_end]` of supervisord.conf.
 
-* The trainer exits with an expected code: training is done; supervisord is asked to shut down, so
-  `supervisord -c supervisord.conf` returns by itself.
+* The trainer exits with an expected code: training is done (0), or the trainer refused to start (2: a
+  config it cannot run, a run directory holding a finished run; its one line says why); supervisord
+  is asked to shut down, so `supervisord -c supervisord.conf` returns by itself.
 * A stage cannot be kept running: it entered FATAL (it died faster than supervisord's `startsecs`),
   or it exited MAX_QUICK_CRASHES times in a row within CRASH_WINDOW_S of starting (a stage that loads
   a model outlives `startsecs` before it fails, and supervisord would restart it forever). The listener
@@ -53,7 +54,7 @@ class RunWatch:
             self.started_at[name] = now
         elif event == "PROCESS_STATE_EXITED":
             if name == "trainer" and fields.get("expected") == "1":
-                return "done"
+                return self.trainer_end()
             if name in self.killed_for_hang:  # our own restart, not the stage's failure
                 self.killed_for_hang.discard(name)
                 return None
@@ -70,6 +71,12 @@ class RunWatch:
             except (xmlrpc.client.Fault, OSError) as e:  # supervisord busy or going away: next tick
                 log(f"cannot check the stages this tick: {e}")
         return None
+
+    def trainer_end(self) -> str:
+        """The trainer exits 0 when training is done and 2 when it refuses to start (a config it cannot
+        run, a run directory that holds a finished run): both end the run, only one as done."""
+        status = 0 if self.supervisor is None else self.supervisor.getProcessInfo(f"{GROUP}:trainer")["exitstatus"]
+        return "done" if status == 0 else f"refused: the trainer would not start (exit {status}); see trainer.log"
 
     def restart_hung(self, now: float) -> None:
         for stage in WATCHED:

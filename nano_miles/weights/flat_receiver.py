@@ -5,7 +5,7 @@ SGLang calls `load_flat` when started with `--custom-weight-loader nano_miles.we
 buffer layout both sides use (`flat_view`).
 
 SGLang's stock CUDA-IPC path builds a new `FlattenedTensorBucket` for every update, opens a new IPC
-mapping in the engine and runs the model's `load_weights` (a Python call per tensor). Here the
+mapping in the engine and runs the model's `Model.load_weights` (a Python call per tensor). Here the
 trainer keeps one persistent buffer in the engine's dtype, laid out by HF parameter name. Each update:
 
 1. trainer: copy the parameters into the buffer (multi-tensor copy, casting to the engine dtype),

@@ -8,7 +8,7 @@ Three paths behind SGLang's one endpoint, `/update_weights_from_tensor`; `Tensor
   `file_system` sharing strategy, so a payload carries only names of shared-memory segments, never the
   data. Pickling a tensor moves its storage into shared memory once; later pushes of the same
   parameters reuse the segment, so an update costs one memory copy on the engine side. The default
-  `file_descriptor` strategy cannot work here: the receiver would fetch descriptors from the
+  "file_descriptor" sharing strategy cannot work here: the receiver would fetch descriptors from the
   sender's resource sharer, which authenticates with the sender's multiprocessing authkey and so
   rejects an unrelated process.
 * GPU, engines started with the project's loader: one persistent buffer mapped once (`flat_sender.py`).

@@ -1,2 +1,2 @@
 """The reward stage: scores each sample and computes group advantages (`scorer.py`); the reward
-function runs in a child process (`worker.py`)."""
+function runs in a child process (`nano_miles/rewards/worker.py`)."""

@@ -2,11 +2,11 @@
 
 Library module of `procs/reward.py`, the reward process supervisord starts.
 A group comes from `nano_miles/stages/rollout/producer.py`: `nano_miles/wire/data.py` decodes it,
-`worker.py` scores each sample, `nano_miles/algo/grpo.py` whitens the rewards into advantages; it goes
+`nano_miles/rewards/worker.py` scores each sample, `nano_miles/algo/grpo.py` whitens the rewards into advantages; it goes
 on in `nano_miles/stages/trainer/step_loop.py`. Stateless: a restart loses nothing it owned; groups
 caught in its buffers are re-issued upstream.
 
-The reward function runs in a child worker (`worker.py`) with `reward.timeout_s` per sample: a
+The reward function runs in a child worker (`nano_miles/rewards/worker.py`) with `reward.timeout_s` per sample: a
 sample whose function raises, hangs or returns a non-finite value gets reward 0 (parts 0), is counted
 by reason and logged in one line, and the stage goes on with the next sample.
 """

@@ -1,2 +1,2 @@
-"""The trainer: the step loop (`step_loop.py`), its peers engine and producer (`peers.py`), checkpoints
-(`checkpoint.py`) and held-out evaluation (`evaluate.py`)."""
+"""The trainer: the step loop (`step_loop.py`), the optimizer step (`learner.py`), its peers engine and
+producer (`peers.py`), checkpoints (`checkpoint.py`) and held-out evaluation (`evaluate.py`)."""

@@ -13,7 +13,7 @@ each step trained or skipped, the run's identity and token counts) and, written 
 file and the directory are fsynced, and only then is it renamed into place.
 
 A checkpoint counts only if its manifest verifies. A rename makes a crash during a save harmless, but
-not a disk that loses or truncates files later, or a copy cut short: `newest_usable` skips such a
+not a disk that loses or truncates files later, or a copy cut short: `load_newest` skips such a
 checkpoint with a warning naming it and falls back to the next older one, so a damaged newest
 checkpoint costs a few steps instead of a trainer that dies at every start.
 """
@@ -48,7 +48,7 @@ class TrainerState:
     cursor: int = 0                                             # one past the furthest group trained
     trained_by_step: dict[int, list[str]] = field(default_factory=dict)
     no_signal_ids: set[str] = field(default_factory=set)        # consumed untrained: all rewards equal
-    evals: list[list] = field(default_factory=list)             # [step, held-out accuracy, elapsed s]
+    evals: list[list] = field(default_factory=list)             # evaluate.EvalResult.as_row: [step, accuracy, elapsed s, reward, pass@k]
     run_id: str = ""                                            # the run these steps belong to
     started_at: float = 0.0                                     # unix time the run started
     num_trained_tokens: int = 0                                 # response tokens in the model (goodput)

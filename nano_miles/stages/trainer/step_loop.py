@@ -2,8 +2,9 @@
 
 Library module of `procs/trainer.py`, the trainer process supervisord starts.
 The modules it names, in the order a batch meets them: `nano_miles/wire/data.py` (decode),
-`nano_miles/algo/grpo.py` (assemble, log-probs), `nano_miles/algo/loss.py` (loss), `peers.py`
-(commit, weight update through `nano_miles/weights/`), `checkpoint.py`, `nano_miles/observe/run_record.py`.
+`learner.py` (the optimizer step: micro-batches, `nano_miles/algo/grpo.py` to assemble and take
+log-probs, `nano_miles/algo/loss.py` for the loss), `peers.py` (commit, weight update through
+`nano_miles/weights/`), `checkpoint.py`, `evaluate.py`, `nano_miles/observe/run_record.py`.
 
 The step loop (`Trainer.train`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
 update weights -> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer,
@@ -118,14 +119,13 @@ class Trainer:
         if loaded is None and self.cfg.trainer.resume_from:
             loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner)
             write_run_identity(self.run_dir, loaded[1].run_id, loaded[1].started_at)
-            log.warning("continuing run %s from %s (trainer.resume_from)", loaded[1].run_id, loaded[0])
         if loaded is not None:
             path, self.state = loaded
-            log.warning("resumed from %s: step %d, %d groups trained", path.name, self.step,
-                        len(self.state.trained_ids))
+            log.warning("resuming run %s from step %d of %d (%s; %d groups trained)", self.state.run_id, self.step,
+                        self.cfg.trainer.num_steps, path, len(self.state.trained_ids))
         else:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
-        log.info("run %s", self.state.run_id)
+            log.info("starting run %s in %s", self.state.run_id, self.run_dir)
 
     def elapsed_s(self) -> float:
         """Wall time since the run started, time lost to restarts included."""
