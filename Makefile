@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# Two workers, a test file each at a time (module fixtures stay in one process): the pipeline tests
+# spend much of their time waiting on restarts, leases and child processes, so two overlap well on 2 cores.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Keeps the previous run (moved to runs/<time>), then runs the pipeline in the foreground.
 run: setup

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from nano_miles.wire.sockets import free_port
+from nano_miles.weights.broadcast_sender import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

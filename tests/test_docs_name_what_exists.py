@@ -220,8 +220,10 @@ def spans(text: str) -> list[str]:
     return SPAN.findall(re.sub(r"```.*?```", "", text, flags=re.S))
 
 
-@pytest.mark.parametrize("where, text, folder", sources(), ids=lambda v: v if isinstance(v, str) and ":" in v
-                         or str(v).endswith(".md") else "")
+SOURCES = sources()
+
+
+@pytest.mark.parametrize("where, text, folder", SOURCES, ids=[where for where, _, _ in SOURCES])
 def test_every_name_in_backticks_exists(where, text, folder):
     missing = {s: why for s in spans(text) if (why := problem(s, folder, where in FOREIGN))}
     assert not missing, f"{where} names what does not exist: {missing}"

@@ -101,6 +101,13 @@ def _version_text(version) -> str | None:
     return None if version is None else str(version)
 
 
+def keeps_requests(pause_mode: str) -> bool:
+    """Whether an engine paused in this mode still holds its requests across a weight update (in_place,
+    retract). After an abort it holds none: the producer collects the partial samples, and the
+    engine's prefix cache can be flushed with the update."""
+    return pause_mode != "abort"
+
+
 class EngineClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0):
         parts = urlsplit(base_url)
@@ -190,6 +197,8 @@ class EngineClient:
         return [e[0] for e in entries]
 
     def pause(self, mode: str = "abort") -> dict:
+        """SGLang's /pause_generation in `mode` (wire/control.py PAUSE_MODES; `keeps_requests` says
+        what the engine holds through the pause)."""
         return self._call("POST", "/pause_generation", {"mode": mode})
 
     def resume(self) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import shlex
 import sys
 
+from nano_miles.engine.client import keeps_requests
 from nano_miles.run.config import Config
-from nano_miles.wire.control import keeps_requests
 
 # SGLang's scheduler imports the flat-path loader by this dotted name (a string here, so that the
 # launcher imports no torch before it execs the server)

@@ -20,6 +20,7 @@ weight group, which spans trainer rank 0 and the engines only, never touches it.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,9 +29,15 @@ import torch
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.weights.broadcast_group import WeightTransportError, broadcast_from_rank0, new_weight_group
 from nano_miles.weights.named_tensors import split_into_buckets, trainable_named_tensors
-from nano_miles.wire.sockets import free_port
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it): the weight group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class BroadcastSender:

@@ -42,20 +42,12 @@ from typing import Any, Callable
 
 import msgpack
 
+from nano_miles.algo.admission import NO_SIGNAL  # a reason the ledger and the status carry
 from nano_miles.wire.codec import WireError, check_count, check_text_id, get, parse_group_id, unpack_message
 
 CONTROL_SCHEMA_VERSION = 4
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
-NO_SIGNAL = "no_signal"  # why a group was consumed untrained (all its rewards equal): ledger and drop counters
-
-
-def keeps_requests(pause_mode: str) -> bool:
-    """Whether an engine paused in this mode still holds its requests across a weight update (in_place,
-    retract). After an abort it holds none: the producer collects the partial samples, and the
-    engine's prefix cache can be flushed with the update."""
-    return pause_mode != "abort"
-
 
 MAX_GROUP_IDS = 1 << 20     # ids in one commit, restore or status: a whole epoch of a large dataset
 MAX_RESULT_DEPTH = 8        # nesting of a reply's result

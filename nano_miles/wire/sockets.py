@@ -10,7 +10,6 @@ are application logic in the rollout producer.
 from __future__ import annotations
 
 import logging
-import socket
 import uuid
 from collections import OrderedDict
 from typing import Any, Callable
@@ -198,10 +197,3 @@ class ControlServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,10 +8,11 @@ It owns the dataset cursor (in its `Ledger`) and the in-flight requests; it serv
 control channel and PUSHes finished groups to the reward stage. Nothing is generated before the
 trainer's first `resume(version)`: the trainer decides which weights serve, the producer follows.
 
-The version gate is the whole flow control. Step k trains batch_groups groups on weights of version
-k - 1, so with `version` served, the groups the model already has plus those on their way may not
-exceed (version + 1 + max_staleness) * batch_groups. With max_staleness 0 (sync mode) the rollout of
-step k starts only after weights k - 1 are in the engine.
+The version gate is the whole flow control (`nano_miles/algo/admission.py`, beside the rules the
+trainer admits groups by). Step k trains batch_groups groups on weights of version k - 1, so with
+`version` served, the groups the model already has plus those on their way may not exceed
+(version + 1 + max_staleness) * batch_groups. With max_staleness 0 (sync mode) the rollout of step k
+starts only after weights k - 1 are in the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from nano_miles.algo.admission import version_allows
 from nano_miles.engine.client import EngineError, parse_output, sampling_seed, token_versions
 from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import RolloutMetrics
@@ -61,11 +63,6 @@ class ProducerState:
     num_generated_tokens: int = 0     # response tokens of every group sent (goodput's denominator)
     num_resumed_samples: int = 0      # sample segments resubmitted after an abort-mode pause
     inflight: dict[str, Future] = field(default_factory=dict)
-
-
-def version_allows(budget_used: int, version: int, batch_groups: int, max_staleness: int) -> bool:
-    """May one more group start while the engine serves `version`? (see module doc)"""
-    return version >= 0 and budget_used < (version + 1 + max_staleness) * batch_groups
 
 
 class RolloutProducer:

@@ -16,14 +16,14 @@ from typing import Callable
 
 import zmq
 
-from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache
+from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache, keeps_requests
 from nano_miles.engine.group import make_engine
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.tensor_sender import TensorSender
-from nano_miles.wire.control import ProducerStatus, RestoreState, keeps_requests
+from nano_miles.wire.control import ProducerStatus, RestoreState
 from nano_miles.wire.sockets import ControlClient, ControlTimeout
 
 log = logging.getLogger("trainer")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from nano_miles.algo import admission
 from nano_miles.algo.grpo import token_logprobs
 from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
@@ -65,6 +66,7 @@ class Trainer:
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
+        self.last_peer_check = time.perf_counter()  # while waiting for groups, when engine and producer were seen
         self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
 
     @property
@@ -176,68 +178,81 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages of a step
     def pull_batch(self) -> tuple[list[ScoredGroup], float]:
-        """Pull until `batch_groups` fresh groups, in dataset order; drop (and count) stale, future or
-        duplicate ones."""
-        started = last_check = time.perf_counter()
+        """Pull until `batch_groups` groups pass the admission rules (`nano_miles/algo/admission.py`),
+        then put them in dataset order; every refused group is counted by its reason."""
+        started = time.perf_counter()
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
-            liveness.beat("scored groups")
-            if self.dropped_ids or self.unreported_no_signal:
-                # report at once: until it hears, the producer counts them against its version gate,
-                # and in sync mode it issues no replacement
-                self.commit(max(0, self.step - 1), [])
-            if not self.pull.poll(1000, zmq.POLLIN):
-                waited = time.perf_counter() - started
-                if waited > PULL_TIMEOUT_S:
-                    raise TimeoutError(f"no scored groups for {waited:.0f}s (have {len(batch)})")
-                if time.perf_counter() - last_check > CHECK_EVERY_S:
-                    log.info("waiting for scored groups: %d/%d after %.0fs; checking engine and producer",
-                             len(batch), self.cfg.trainer.batch_groups, waited)
-                    self.peers.check_peers(self.model, self.state.version)
-                    last_check = time.perf_counter()
-                continue
-            data = self.pull.recv()
-            try:
-                scored = decode_scored(data)
-            except WireError as e:
-                self.count_drop("malformed")
-                log.warning("dropped a malformed message: %s", e)
+            scored = self.receive(started, len(batch))
+            if scored is None:
                 continue
             group = scored.group
-            if group.run_id != self.state.run_id:  # a leftover stage of another run: not ours to count
-                self.count_drop("foreign_run")
-                log.warning("dropped group %s of run %s (this run is %s)", group.group_id, group.run_id,
-                            self.state.run_id)
-                continue
-            # Nothing a peer sends changes durable state (the cursor) before it is trained.
-            self.metrics.received(scored)
-            stamps = group.timestamps
-            self.received_times.append((stamps.get("issued", 0.0), stamps.get("generated", 0.0), time.time()))
-            newest = max(int(s.versions[-1]) for s in group.samples)
-            staleness = (self.step - 1) - group.oldest_version
-            if group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids \
-                    or group.group_id in batch_ids:
-                self.count_drop("duplicate")  # consumed already: nothing to re-issue
-            elif newest > self.step - 1:
-                self.count_drop("future_version", group.group_id)  # weights rolled back by a restart
-            elif staleness > self.max_staleness:
-                self.count_drop("stale", group.group_id)
-            elif self.cfg.trainer.skip_zero_variance and not scored.advantages.any():
-                # all advantages 0 (rewards all equal, `group_advantages`): nothing to learn from.
-                # Consumed: the ledger keeps it as such, and it is never issued again
-                self.count_drop(NO_SIGNAL)
-                self.state.no_signal_ids.add(group.group_id)
-                self.unreported_no_signal.append(group.group_id)
-                self.advance_cursor([group.group_id])
-            else:
-                self.metrics.staleness.observe(staleness)
+            reason = admission.refusal(
+                self.step, oldest_version=group.oldest_version,
+                newest_version=max(int(s.versions[-1]) for s in group.samples),
+                is_consumed=group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids
+                or group.group_id in batch_ids, max_staleness=self.max_staleness,
+                has_signal=bool(scored.advantages.any()), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
+            if reason is None:
+                self.metrics.staleness.observe(admission.staleness(self.step, group.oldest_version))
                 batch.append(scored)
                 batch_ids.add(group.group_id)
+            else:
+                self.refuse(group.group_id, reason)
         # dataset order, not arrival order: the same groups make the same float sums, so two runs
         # with one seed take the same step
         batch.sort(key=lambda sg: position_of(sg.group.group_id, self.num_items))
         return batch, time.perf_counter() - started
+
+    def receive(self, started: float, num_have: int) -> ScoredGroup | None:
+        """One scored group of this run, or None after a second without one. While it waits it looks
+        after the engine and the producer every CHECK_EVERY_S, and gives up after PULL_TIMEOUT_S."""
+        liveness.beat("scored groups")
+        if self.dropped_ids or self.unreported_no_signal:
+            # report at once: until it hears, the producer counts them against its version gate,
+            # and in sync mode it issues no replacement
+            self.commit(max(0, self.step - 1), [])
+        if not self.pull.poll(1000, zmq.POLLIN):
+            waited = time.perf_counter() - started
+            if waited > PULL_TIMEOUT_S:
+                raise TimeoutError(f"no scored groups for {waited:.0f}s (have {num_have})")
+            if time.perf_counter() - self.last_peer_check > CHECK_EVERY_S:
+                log.info("waiting for scored groups: %d/%d after %.0fs; checking engine and producer",
+                         num_have, self.cfg.trainer.batch_groups, waited)
+                self.peers.check_peers(self.model, self.state.version)
+                self.last_peer_check = time.perf_counter()
+            return None
+        try:
+            scored = decode_scored(self.pull.recv())
+        except WireError as e:
+            self.count_drop("malformed")
+            log.warning("dropped a malformed message: %s", e)
+            return None
+        group = scored.group
+        if group.run_id != self.state.run_id:  # a leftover stage of another run: not ours to count
+            self.count_drop("foreign_run")
+            log.warning("dropped group %s of run %s (this run is %s)", group.group_id, group.run_id,
+                        self.state.run_id)
+            return None
+        # Nothing a peer sends changes durable state (the cursor) before it is trained.
+        self.metrics.received(scored)
+        stamps = group.timestamps
+        self.received_times.append((stamps.get("issued", 0.0), stamps.get("generated", 0.0), time.time()))
+        return scored
+
+    def refuse(self, group_id: str, reason: str) -> None:
+        """Count a refused group; the producer issues a stale or future one again, not a consumed one."""
+        if reason == admission.DUPLICATE:
+            self.count_drop(reason)  # consumed already: nothing to re-issue
+        elif reason == admission.NO_SIGNAL:
+            # nothing to learn from: consumed, the ledger keeps it as such, and it is never issued again
+            self.count_drop(reason)
+            self.state.no_signal_ids.add(group_id)
+            self.unreported_no_signal.append(group_id)
+            self.advance_cursor([group_id])
+        else:
+            self.count_drop(reason, group_id)
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
         samples = [Sample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(adv))
