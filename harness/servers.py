@@ -24,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def proc_command(name: str) -> list[str]:
     """How supervisord starts the pipeline process `name` (a file of procs/), with this interpreter."""
     return [sys.executable, str(REPO_ROOT / "procs" / f"{name}.py")]
+
+
 # Without the FA3 kernels SGLang needs triton attention; CUDA graphs are left out because their
 # capture costs start-up time and nothing measured here depends on decode speed.
 SGLANG_EXTRA_ARGS = "--attention-backend triton --disable-cuda-graph"

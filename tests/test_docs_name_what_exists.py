@@ -161,9 +161,9 @@ def check_dotted(span: str) -> str | None:
 def problem(span: str, folder: Path, is_foreign: bool = False) -> str | None:
     """Why `span` names nothing that exists, or None (it exists, or it is not a name of ours)."""
     span = span.strip()
-    if span.startswith(("python ", "python -m ", "supervisorctl ", "supervisord ")):
-        span = span.split()[-1] if span.startswith("python ") and span.split()[1].endswith(".py") else ""
-        span = span if span.endswith(".py") else ""
+    words = span.split()
+    if len(words) > 1:  # a command: checked only for the script of ours it runs (`python procs/trainer.py ...`)
+        span = words[1] if words[0] == "python" and words[1].endswith(".py") else ""
     if not span or re.search(r"[\s<>*{}()\[\]=,'\"|@#]|\.\.\.", span) or span.startswith(RUN_TIME):
         return None
     if "://" in span or span.startswith((".", "/")) or not re.search(r"[A-Za-z]", span):
@@ -189,7 +189,7 @@ def problem(span: str, folder: Path, is_foreign: bool = False) -> str | None:
             return None if name in class_members()[head] else f"class {head} has no {name!r}"
         if head in config_sections():
             return None if name in config_sections()[head] else f"[{head}] has no key {name!r}"
-        if head in module_stems() and head not in ("json", "time"):
+        if head in module_stems():
             found = any(name in defined_names(p) for p in module_stems()[head])
             return None if found else f"module {head}.py defines no {name!r}"
         return None

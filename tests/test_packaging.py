@@ -49,7 +49,7 @@ def minimum_python() -> tuple[int, int]:
 def test_every_module_parses_as_the_minimum_python():
     """requires-python is a promise: newer syntax (a 3.12 `type X = ...`, type parameter lists) fails here."""
     version = minimum_python()
-    paths = [p for folder in ("nano_miles", "harness", "tests", "bench") for p in (ROOT / folder).rglob("*.py")]
+    paths = [p for folder in ("nano_miles", "procs", "harness", "tests", "bench") for p in (ROOT / folder).rglob("*.py")]
     for path in paths:
         ast.parse(path.read_text(), filename=str(path), feature_version=version)
 

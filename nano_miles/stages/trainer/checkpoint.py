@@ -48,7 +48,7 @@ class TrainerState:
     cursor: int = 0                                             # one past the furthest group trained
     trained_by_step: dict[int, list[str]] = field(default_factory=dict)
     no_signal_ids: set[str] = field(default_factory=set)        # consumed untrained: all rewards equal
-    evals: list[list] = field(default_factory=list)             # evaluate.EvalResult.as_row: [step, accuracy, elapsed s, reward, pass@k]
+    evals: list[list] = field(default_factory=list)             # EvalResult.as_row: [step, accuracy, s, reward, pass@k]
     run_id: str = ""                                            # the run these steps belong to
     started_at: float = 0.0                                     # unix time the run started
     num_trained_tokens: int = 0                                 # response tokens in the model (goodput)

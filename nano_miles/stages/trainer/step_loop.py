@@ -66,7 +66,7 @@ class Trainer:
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
-        self.last_peer_check = time.perf_counter()  # while waiting for groups, when engine and producer were seen
+        self.last_peer_check = 0.0  # when a pull last looked after the engine and the producer (perf_counter s)
         self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
 
     @property
@@ -180,7 +180,7 @@ class Trainer:
     def pull_batch(self) -> tuple[list[ScoredGroup], float]:
         """Pull until `batch_groups` groups pass the admission rules (`nano_miles/algo/admission.py`),
         then put them in dataset order; every refused group is counted by its reason."""
-        started = time.perf_counter()
+        started = self.last_peer_check = time.perf_counter()
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
