@@ -85,7 +85,8 @@ def test_trainer_restart_stray_messages_and_a_hung_stage(tmp_path):
     assert len(ids) == len(set(ids)) == NUM_STEPS * 8 and "e0-i5000" not in ids
     assert 0 < summary["goodput"] <= 1
     hang = [e for e in events(run) if e["event"] == "hang_restart"]
-    assert [e["stage"] for e in hang] == ["reward"] and hang[0]["silent_s"] > 8
+    # restarted only once silent for more than run.hang_timeout_s = 8; the event keeps it to 0.1 s (8.04 -> 8.0)
+    assert [e["stage"] for e in hang] == ["reward"] and hang[0]["silent_s"] >= 8
     watch_log = (run.run_dir / "run_end.log").read_text()
     assert "restarting it" in watch_log and "Traceback" not in watch_log, watch_log
 
