@@ -1,23 +1,38 @@
-"""Held-out accuracy over wall time for the default synchronous run, under the real supervisord.
+"""What `make run`'s gain is made of: the shipped policy, its habit-free twin and a control, under supervisord.
 
-Run: python bench/learning.py [--seeds 0,1,2] [--word-problems] [--config FILE] [--out DIR]
-                               [--target-points 25] [--target-s 300] [--section.key=value ...]
-On a GPU (the large policy taught the word format, configs/gpu_word_problems.toml says how):
-     python bench/learning.py --word-problems --config configs/gpu_word_problems.toml --seeds 0
-         --out bench/results/gpu --target-points 30 --target-s 600
+Run: python bench/learning.py [--variants shipped,habit_free,control] [--seeds 0,1,2] [--word-problems]
+                               [--habit-free DIR] [--config FILE] [--out DIR] [--name NAME]
+                               [--jobs N] [--keep-runs DIR] [--section.key=value ...]
+On a GPU (the large policy and its habit-free build, bench/results/gpu/README.md says how):
+     python bench/learning.py --config configs/gpu_large.toml --habit-free runs/policy-large-habit-free
+         --out bench/results/gpu --name learning_large --jobs 4 --keep-runs runs/learning-large
+         --trainer.num_steps=100
 
-Starts the pipeline exactly as `make run` does (configs/default.toml plus the given overrides) in a
-private run directory, once per seed (`run.seed`; seed 0 is `make run`'s own run), follows the
-trainer's progress, then prints accuracy at each evaluation with the wall time it took to get there,
-and writes bench/results/learning.json and learning.png: the figures the README quotes for `make run`
-(the seed-0 run's at the top level, every seed's curve under "seeds"). With `--word-problems` the run
-is the README's own-data example instead (examples/word_problems/ through the chat template, the
-math reward), written to learning_word_problems.json and .png. --config FILE reaches every stage
-through $NANOMILES_CONFIG; --out DIR is where the files go (default bench/results).
-Target on a 2-core CPU machine: +25 points of held-out accuracy within 5 minutes of wall time (start-up
-included), as the mean over the seeds (200 held-out problems make one run's accuracy +-3 points
-noisy); --target-points and --target-s set another. The verdict ("met" or "missed by X points") is
-printed and kept in the JSON file.
+The shipped small policy was built with a habit (nano_miles/assets/policy/README.md): in 60 % of its
+warm-up answers the tag held the first step's result, `7*4=28, 28+12=40 <answer>28</answer>`. RL
+removes the habit quickly, so part of any gain is the habit going away. Three variants tell the parts
+apart, each started exactly as `make run` starts its run (configs/default.toml plus the overrides, in
+a private run directory):
+
+    shipped      the config's policy (seed 0 is `make run`'s own run)
+    habit_free   the same recipe built without the habit (first_step_answer_rate = 0;
+                 nano_miles/assets/policy_habit_free/, or --habit-free DIR)
+    control      the shipped policy at trainer.lr = 0: its weights never move, so every evaluation
+                 of it is the same and it runs for the first seed only
+
+For each run: held-out greedy accuracy at the start, the mean of the last three evaluations (not the
+peak: one evaluation of 200 problems is +-3 points noisy), the gain between the two, and the share of
+held-out answers that tag the first step's result (the arithmetic reward's "first_step" part) at the
+start and over the last three evaluations. Prints the table and writes bench/results/learning.json
+and learning.png; the top level of the JSON is the first seed's shipped run, the figures `make run`
+prints. With --word-problems the run is the README's own-data example instead (examples/word_problems/
+through the chat template, the math reward, which has no first_step part), written to
+learning_word_problems.json and .png. --config FILE reaches every stage through $NANOMILES_CONFIG;
+--out DIR is where the files go (default bench/results), --name their name. --jobs N runs N pipelines
+at once (on a 2-core machine keep 1: each takes about 2 cores; the figures are per step and do not
+depend on it, the wall times do). --keep-runs DIR keeps every run directory there, and a run whose
+directory already holds a finished run is read instead of run again: a study cut short goes on
+where it stopped.
 """
 
 from __future__ import annotations
@@ -28,15 +43,17 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.learning_runs import WORD_PROBLEMS  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
-from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TARGET_POINTS, TARGET_S = 25.0, 300.0
+HABIT_FREE = Path(__file__).resolve().parent.parent / "nano_miles" / "assets" / "policy_habit_free"
+VARIANTS = ("shipped", "habit_free", "control")
+LATE = 3  # evaluations averaged for the late figure
 
 
 def follow(run, timeout_s: float) -> None:
@@ -59,48 +76,93 @@ def follow(run, timeout_s: float) -> None:
         time.sleep(1.0)
 
 
-def plot(runs: list[dict], out: Path, title: str, target_points: float, target_s: float) -> bool:
+def run_once(run_dir: Path, argv: list[str], is_followed: bool) -> dict | None:
+    """One supervised run in `run_dir` with `argv` overrides; its summary, with the wall time, or None
+    if it failed. A run directory that holds a finished run is read, not run again."""
+    from harness.supervised_run import SupervisedRun
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
+    started = time.monotonic()
+    run = SupervisedRun(run_dir, argv).start()
+    try:
+        if is_followed:
+            follow(run, timeout_s=3 * 3600)
+        else:
+            run.wait(timeout_s=3 * 3600)
+    finally:
+        run.stop()
+    if not summary_path.exists():
+        print(f"the run in {run_dir} failed:\n{run.tail()}", file=sys.stderr)
+        return None
+    # what a user of `make run` waits for, start-up included; kept with the run for a later read
+    summary = {**json.loads(summary_path.read_text()), "wall_s": time.monotonic() - started}
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def mean(values: list) -> float | None:
+    return sum(values) / len(values) if values and None not in values else None
+
+
+def figures(evals: list[dict]) -> dict:
+    """Start, late mean and gain of held-out accuracy, and the first-step share at start and late."""
+    late = evals[-LATE:]
+    first_step = [e["parts"].get("first_step") for e in evals]
+    start, late_mean = evals[0]["accuracy"], mean([e["accuracy"] for e in late])
+    return {"start": start, "late_mean": late_mean, "gain": None if start is None else late_mean - start,
+            "first_step_start": first_step[0], "first_step_late": mean(first_step[-LATE:])}
+
+
+def variant_overrides(name: str, habit_free: Path) -> list[str]:
+    return {"shipped": [], "habit_free": [f"--model.path={habit_free}"], "control": ["--trainer.lr=0"]}[name]
+
+
+def pct(value: float | None, sign: str = "") -> str:
+    return "–" if value is None else f"{100 * value:{sign}.1f}"
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'variant':<11} {'seed':>4} {'start %':>8} {'late %':>7} {'gain':>6} {'first-step tags %':>18}")
+    for r in rows:
+        f = r["figures"]
+        shares = f"{pct(f['first_step_start'])} -> {pct(f['first_step_late'])}"
+        print(f"{r['variant']:<11} {r['seed']:>4} {pct(f['start']):>8} {pct(f['late_mean']):>7} "
+              f"{pct(f['gain'], '+'):>6} {shares:>18}")
+
+
+def plot(rows: list[dict], out: Path, title: str) -> bool:
     from nano_miles.observe.plots import pyplot_or_none
     plt = pyplot_or_none()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for run in runs:
-        ax.plot([e[2] / 60 for e in run["evals"]], [100 * e[1] for e in run["evals"]], marker="o",
-                label=f"seed {run['seed']}")
-    start = sum(run["evals"][0][1] for run in runs) / len(runs)
-    ax.axhline(100 * start + target_points, ls="--", c="gray", label=f"mean start + {target_points:.0f} points")
-    ax.axvline(target_s / 60, ls=":", c="gray")
-    ax.set_xlabel("wall time since training started (min)")
-    ax.set_ylabel("held-out greedy accuracy (%)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    fig, (acc_ax, habit_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
+    colors = dict(zip(VARIANTS, ("tab:blue", "tab:green", "tab:gray")))
+    labelled = set()
+    for r in rows:  # one colour per variant, a line per seed
+        steps = [e["step"] for e in r["evals"]]
+        label = None if r["variant"] in labelled else r["variant"].replace("_", "-")
+        labelled.add(r["variant"])
+        acc_ax.plot(steps, [100 * e["accuracy"] for e in r["evals"]], c=colors[r["variant"]], alpha=0.8, label=label)
+        shares = [e["parts"].get("first_step") for e in r["evals"]]
+        if None not in shares:
+            habit_ax.plot(steps, [100 * s for s in shares], c=colors[r["variant"]], alpha=0.8, label=label)
+    acc_ax.set_xlabel("step")
+    acc_ax.set_ylabel("held-out greedy accuracy (%)")
+    habit_ax.set_xlabel("step")
+    habit_ax.set_ylabel("held-out answers tagging the first step (%)")
+    acc_ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return True
 
 
-def run_once(argv: list[str]) -> dict | None:
-    """One supervised run with `argv` overrides; its summary, with the wall time, or None if it failed."""
-    from harness.supervised_run import SupervisedRun
-    with tempfile.TemporaryDirectory() as tmp:
-        started = time.monotonic()
-        run = SupervisedRun(Path(tmp) / "run", argv).start()
-        try:
-            follow(run, timeout_s=3 * 3600)
-        finally:
-            run.stop()
-        wall_s = time.monotonic() - started  # what a user of `make run` waits for, start-up included
-        summary_path = run.run_dir / "summary.json"
-        if not summary_path.exists():
-            print(f"the run failed:\n{run.tail()}", file=sys.stderr)
-            return None
-        return {**json.loads(summary_path.read_text()), "wall_s": wall_s}
-
-
-def gain_within_target(evals: list, target_s: float) -> float:
-    """Best held-out accuracy within `target_s` of wall time, minus the start, in points."""
-    return 100 * (max(acc for _, acc, t in evals if t <= target_s) - evals[0][1])
+def variant_list(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or not set(names) <= set(VARIANTS):
+        raise argparse.ArgumentTypeError(f"takes variants of {', '.join(VARIANTS)}, comma-separated, not {text!r}")
+    return names
 
 
 def seed_list(text: str) -> list[int]:
@@ -112,19 +174,30 @@ def seed_list(text: str) -> list[int]:
 
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import ConfigError, is_override, load_config
-    parser = ArgumentParser(prog="python bench/learning.py", description=__doc__)
+    parser = ArgumentParser(prog="python bench/learning.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", type=variant_list, default=list(VARIANTS), help="which runs, comma-separated")
     parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="run.seed of each run, e.g. 0,1,2")
+    parser.add_argument("--habit-free", type=lambda v: Path(v).resolve(), default=HABIT_FREE,
+                        help="the habit-free policy directory (default nano_miles/assets/policy_habit_free)")
     parser.add_argument("--word-problems", action="store_true", help="the own-data example instead")
     parser.add_argument("--config", type=lambda v: str(Path(v).resolve()), default=None,
                         help="the TOML file every stage reads (default configs/default.toml)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
-    parser.add_argument("--target-points", type=float, default=TARGET_POINTS, help="held-out gain to reach")
-    parser.add_argument("--target-s", type=float, default=TARGET_S, help="... within this much wall time")
+    parser.add_argument("--name", default=None, help="their name without suffix (default learning, or "
+                                                      "learning_word_problems)")
+    parser.add_argument("--jobs", type=int, default=1, help="pipelines run at once")
+    parser.add_argument("--keep-runs", type=Path, default=None, help="keep the run directories here (and reuse "
+                                                                      "finished ones)")
     args = parser.parse_args([a for a in argv if not is_override(a)])
-    seeds, out_dir, target_points, target_s = args.seeds, args.out, args.target_points, args.target_s
     argv = [a for a in argv if is_override(a)]
     if args.config is not None:  # every stage reads the same file
         os.environ["NANOMILES_CONFIG"] = args.config
+    if "habit_free" in args.variants and not (args.habit_free / "config.json").is_file():
+        print(f"--habit-free {args.habit_free} is not a policy directory: build it with `python -m "
+              "nano_miles.policy build --out DIR --first-step-answer-rate 0` (and --shape as the config's)",
+              file=sys.stderr)
+        return 2
     where = "2 CPU cores" if args.config is None else Path(args.config).name
     name, title = "learning", f"sync GRPO, small policy, {where}"
     if args.word_problems:
@@ -135,44 +208,44 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    runs = []
-    for seed in seeds:
-        print(f"\n=== seed {seed} ({len(runs) + 1} of {len(seeds)}) ===", flush=True)
-        summary = run_once(argv + [f"--run.seed={seed}"])
-        if summary is None:
-            return 1
-        evals = [e[:3] for e in summary["evals"]]  # [step, held-out accuracy, elapsed s]
-        runs.append({"seed": seed, "summary": summary, "evals": evals, "gain": gain_within_target(evals, target_s)})
-    print(f"\n{'seed':>4} {'step':>6} {'wall s':>8} {'held-out %':>11} {'gain':>7}")
-    for run in runs:
-        start = run["evals"][0][1]
-        for step, acc, elapsed in run["evals"]:
-            print(f"{run['seed']:>4} {step:>6} {elapsed:>8.0f} {100 * acc:>11.1f} {100 * (acc - start):>+7.1f}")
-    gains = [run["gain"] for run in runs]
-    mean_gain = sum(gains) / len(gains)
-    print(f"\nbest gain within {target_s / 60:.0f} min per seed: " + ", ".join(f"{g:+.1f}" for g in gains)
-          + f" points; mean {mean_gain:+.1f}")
-    verdict = Verdict(f"held-out gain within {target_s / 60:.0f} min, mean of {len(runs)} seeds", mean_gain, ">=",
-                      target_points, "points")
-    print_verdicts([verdict])
-    first = runs[0]["summary"]  # the top level is seed 0's run: `make run`'s own, as the README quotes it
-    print(f"seed {runs[0]['seed']}: {first['num_steps']} steps in {first['wall_s'] / 60:.1f} min (start-up and "
-          f"evaluations included); held-out {100 * runs[0]['evals'][0][1]:.1f} % -> max "
-          f"{100 * first['eval_accuracy_max']:.1f} %, end {100 * first['eval_accuracy_end']:.1f} %")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = {"config": cfg.to_dict(), "seed": runs[0]["seed"], "num_steps": first["num_steps"],
-              "wall_s": first["wall_s"], "eval_accuracy_start": runs[0]["evals"][0][1],
-              "eval_accuracy_max": first["eval_accuracy_max"], "eval_accuracy_end": first["eval_accuracy_end"],
-              "ledger": first["ledger"], "evals": runs[0]["evals"], "mean_step_s": first["mean_step_s"],
-              "mean_update_ms": first["mean_update_ms"], "target_points": target_points, "target_s": target_s,
-              "mean_gain_points_within_target": mean_gain,
-              "seeds": [{"seed": r["seed"], "evals": r["evals"], "gain_points_within_target": r["gain"],
-                         "wall_s": r["summary"]["wall_s"], "eval_accuracy_max": r["summary"]["eval_accuracy_max"]}
-                        for r in runs],
-              "verdicts": [verdict.to_json()]}
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
-    if plot(runs, out_dir / f"{name}.png", title, target_points, target_s):
-        print(f"wrote {out_dir / name}.json and {name}.png")
+    name = args.name or name
+    plan = [(v, s) for v in args.variants for s in (args.seeds[:1] if v == "control" else args.seeds)]
+    with tempfile.TemporaryDirectory() as tmp:
+        runs_dir = args.keep_runs or Path(tmp)
+
+        def one(i: int, variant: str, seed: int) -> dict | None:
+            print(f"\n=== {variant}, seed {seed} ({i + 1} of {len(plan)}) ===", flush=True)
+            overrides = variant_overrides(variant, args.habit_free) + argv + [f"--run.seed={seed}"]
+            summary = run_once(runs_dir / f"{variant}_seed{seed}", overrides, is_followed=args.jobs == 1)
+            if summary is not None:
+                print(f"{variant} seed {seed}: held-out {pct(summary['eval_accuracy_start'])} -> end "
+                      f"{pct(summary['eval_accuracy_end'])} %", flush=True)
+                return {"variant": variant, "seed": seed, "overrides": overrides, "evals": summary["evals"],
+                        "figures": figures(summary["evals"]), "summary": summary}
+            return None
+
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            rows = list(pool.map(lambda job: one(job[0], *job[1]), enumerate(plan)))
+    if None in rows:
+        return 1
+    print_table(rows)
+    first = rows[0]["summary"]
+    print(f"{rows[0]['variant']} seed {rows[0]['seed']}: {first['num_steps']} steps in {first['wall_s'] / 60:.1f} min "
+          f"(start-up and evaluations included); held-out {pct(first['eval_accuracy_start'])} % -> max "
+          f"{pct(first['eval_accuracy_max'])} %, end {pct(first['eval_accuracy_end'])} %")
+    means = {v: {k: mean([r["figures"][k] for r in rows if r["variant"] == v])
+                 for k in ("start", "late_mean", "gain", "first_step_start", "first_step_late")}
+             for v in args.variants}
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"config": cfg.to_dict(), "variant": rows[0]["variant"], "seed": rows[0]["seed"],
+              **{k: first[k] for k in ("num_steps", "wall_s", "eval_accuracy_start", "eval_accuracy_max",
+                                       "eval_accuracy_end", "ledger", "evals", "mean_step_s", "mean_update_ms")},
+              "late_evaluations": LATE, "means": means,
+              "runs": [{k: v for k, v in r.items() if k != "summary"} | {"wall_s": r["summary"]["wall_s"]}
+                       for r in rows]}
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    if plot(rows, args.out / f"{name}.png", title):
+        print(f"wrote {args.out / name}.json and {name}.png")
     return 0
 
 

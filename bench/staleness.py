@@ -83,7 +83,7 @@ def read_run(name: str, seed: int, run_dir: Path) -> dict:
     records = read_jsonl(run_dir / "metrics.jsonl")
     t0 = records[0]["elapsed_s"] - records[0]["step_s"]
     train_s = records[-1]["elapsed_s"] - t0
-    summary["evals"] = [[e[0], e[1], max(0.0, e[2] - t0)] for e in summary["evals"]]  # [step, accuracy, s]
+    summary["evals"] = [{**e, "elapsed_s": max(0.0, e["elapsed_s"] - t0)} for e in summary["evals"]]
     timed = records[1:] or records  # step 1 pays first-time costs in both modes
     return {"name": name, "seed": seed, "summary": summary, "train_s": train_s, "startup_s": t0,
             "samples_per_s": sum(r["num_samples"] for r in records) / train_s,
@@ -110,7 +110,7 @@ def ideal_overlap_speedup(records: list[dict]) -> float:
 
 def time_to_reach(evals: list, accuracy: float) -> float | None:
     """Seconds until the first evaluation at or above `accuracy`; None if none was."""
-    return next((e[2] for e in evals if e[1] >= accuracy - 1e-9), None)
+    return next((e["elapsed_s"] for e in evals if e["accuracy"] >= accuracy - 1e-9), None)
 
 
 def resolve_target_accuracy(spec: str, start_accuracies: list[float]) -> float:
@@ -241,7 +241,7 @@ def plot(rows: list[dict], target_accuracy: float, out: Path) -> None:
         color = colors.setdefault(row["name"], f"C{len(colors)}")
         label = row["name"] if is_first else None
         evals = row["summary"]["evals"]
-        ax1.plot([e[2] for e in evals], [100 * e[1] for e in evals], marker="o", c=color, label=label)
+        ax1.plot([e["elapsed_s"] for e in evals], [100 * e["accuracy"] for e in evals], marker="o", c=color, label=label)
         curve = row["curve"]
         window = 5
         smooth = [sum(c[1] for c in curve[max(0, i - window + 1):i + 1]) / min(i + 1, window)

@@ -160,7 +160,7 @@ def print_table(policy: str, rows: list[dict], target: float) -> None:
           f"{'s/step':>7} {'batch s':>7} {'train s':>7} {'t(target)':>9} {'held-out start -> end':>22} "
           f"{'GPU MiB':>8} {'trainer MiB':>11} {'update ms':>9}")
     for r in rows:
-        acc = f"{100 * r['evals'][0][1]:.1f} -> {100 * r['evals'][-1][1]:.1f} %"
+        acc = f"{100 * r['evals'][0]['accuracy']:.1f} -> {100 * r['evals'][-1]['accuracy']:.1f} %"
         print(f"{r['name']:<22} {r['samples_per_s']:>9.0f} {r['tokens_per_s']:>9.0f} {r['step_s']:>7.3f} "
               f"{r['generate_s']:>7.3f} {r['train_step_s']:>7.3f} {fmt(r['seconds_to_target'], '.0f'):>8}s "
               f"{acc:>22} {fmt(r['device_memory_mb'], ',.0f'):>8} {fmt(r['trainer_memory_mb'], ',.0f'):>11} "
@@ -175,7 +175,7 @@ def policy_verdicts(policy: str, rows: dict) -> list[Verdict]:
     ratio = None if best is None else 0.0 if trl["seconds_to_target"] is None else best / trl["seconds_to_target"]
     checks.append(Verdict(f"{policy}: nano-miles' time to target over TRL's", ratio, "<=", 1.0, "x", 2))
     checks += [Verdict(f"{policy}: {r['name']} final held-out accuracy minus TRL's",
-                       100 * (r["evals"][-1][1] - trl["evals"][-1][1]), ">=", -100 * ACCURACY_NOISE, "points")
+                       100 * (r["evals"][-1]["accuracy"] - trl["evals"][-1]["accuracy"]), ">=", -100 * ACCURACY_NOISE, "points")
                for r in (sync, asyn)]
     return checks
 
@@ -188,7 +188,7 @@ def plot(results: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (policy, res) in zip(axes[0], results.items()):
         for key, row in res["runs"].items():
-            ax.plot([e[2] for e in row["evals"]], [100 * e[1] for e in row["evals"]], marker="o", label=row["name"])
+            ax.plot([e["elapsed_s"] for e in row["evals"]], [100 * e["accuracy"] for e in row["evals"]], marker="o", label=row["name"])
         ax.axhline(100 * res["target_accuracy"], ls="--", c="gray", label="target")
         ax.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)", title=f"{policy} policy")
         ax.legend(fontsize=8)
@@ -202,7 +202,7 @@ def measure(policy: str, overrides: list[str], generation: str, env: dict, root:
     runs = {"sync": run_nano("sync", config, overrides, root),
             "async": run_nano("async S=2", config, overrides + ["--run.mode=async", "--run.max_staleness=2"], root),
             "trl": run_trl(config, overrides, generation, env, root)}
-    starts = [r["evals"][0][1] for r in runs.values()]
+    starts = [r["evals"][0]["accuracy"] for r in runs.values()]
     return {"config": POLICIES[policy][0], "overrides": overrides, "target_points": POLICIES[policy][1],
             "target_accuracy": sum(starts) / len(starts) + POLICIES[policy][1] / 100,
             "nano_settings": nano_settings(load_config(config, overrides)), "runs": runs}

@@ -202,7 +202,7 @@ def main(argv: list[str]) -> int:
 
     def evaluate(step: int) -> None:
         accuracy = clock.paused(task.accuracy, trainer.model)
-        result["evals"].append([step, accuracy, clock.elapsed_s()])
+        result["evals"].append({"step": step, "accuracy": accuracy, "elapsed_s": clock.elapsed_s()})
         print(f"step {step}: held-out accuracy {100 * accuracy:.1f}% at {clock.elapsed_s():.1f}s", flush=True)
 
     class Measure(TrainerCallback):

@@ -47,8 +47,8 @@ def test_bad_overrides_are_named(override, match):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("--trainer.lr=-1", r"trainer.lr must be > 0, not -1.0"),
-    ("--trainer.lr=nan", r"trainer.lr must be > 0, not nan"),
+    ("--trainer.lr=-1", r"trainer.lr must be >= 0, not -1.0"),
+    ("--trainer.lr=nan", r"trainer.lr must be >= 0, not nan"),
     ("--rollout.temperature=-3", r"rollout.temperature must be >= 0"),
     ("--rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
     ("--rollout.top_k=0", r"rollout.top_k must be -1 \(off\) or >= 1"),

@@ -42,8 +42,8 @@ def test_a_run_on_a_jsonl_file_with_the_chat_template_and_the_math_reward(own_da
     assert summary["ledger"]["num_lost"] == 0 and summary["ledger"]["num_trained_twice"] == 0
     assert summary["ledger"]["num_trained_once"] == NUM_STEPS * 4
     start, end = summary["evals"][0], summary["evals"][-1]
-    assert start[0] == 0 and end[0] == NUM_STEPS
-    assert all(0 <= e[1] <= 1 and 0 <= e[3] <= 1 and 0 <= e[4] <= 1 for e in (start, end)), \
+    assert start["step"] == 0 and end["step"] == NUM_STEPS
+    assert all(0 <= e["accuracy"] <= 1 and 0 <= e["reward"] <= 1 and 0 <= e["pass_at_k"] <= 1 for e in (start, end)), \
         "held-out greedy accuracy, mean reward and pass@2 of the math reward are shares"
     records = run.metrics()
     assert {"format", "accuracy"} <= set(records[-1]) and records[-1]["eval_pass_at_k"] is not None

@@ -74,12 +74,12 @@ def C(doc: str, template: str, *figs: Fig) -> Claim:
 # derived figures, each read off one result file
 def training_s(summary: dict) -> float:
     """Seconds from the end of the first evaluation to the last one: the run's training time."""
-    return summary["evals"][-1][2] - summary["evals"][0][2]
+    return summary["evals"][-1]["elapsed_s"] - summary["evals"][0]["elapsed_s"]
 
 
-def first_eval_at(summary: dict, accuracy: float) -> list | None:
-    """The first evaluation [step, accuracy, s, ...] at or above `accuracy`, or None."""
-    return next((e for e in summary["evals"] if e[1] >= accuracy - 1e-9), None)
+def first_eval_at(summary: dict, accuracy: float) -> dict | None:
+    """The first evaluation at or above `accuracy`, or None."""
+    return next((e for e in summary["evals"] if e["accuracy"] >= accuracy - 1e-9), None)
 
 
 def first_reached(accuracy: float, *, since_start: bool = True) -> Callable[[dict], str]:
@@ -88,18 +88,18 @@ def first_reached(accuracy: float, *, since_start: bool = True) -> Callable[[dic
         hit = first_eval_at(summary, accuracy)
         if hit is None:
             return f"not in {summary['num_steps']} steps"
-        t0 = summary["evals"][0][2] if since_start else 0.0
-        return f"step {hit[0]}, {hit[2] - t0:.0f} s"
+        t0 = summary["evals"][0]["elapsed_s"] if since_start else 0.0
+        return f"step {hit['step']}, {hit['elapsed_s'] - t0:.0f} s"
     return read
 
 
 def step_at(accuracy: float) -> Callable[[dict], int | None]:
     """The step of the first evaluation at or above `accuracy` (None if none was)."""
-    return lambda summary: (first_eval_at(summary, accuracy) or [None])[0]
+    return lambda summary: (first_eval_at(summary, accuracy) or {}).get("step")
 
 
 def step_of_max(summary: dict) -> int:
-    return next(step for step, acc, _ in summary["evals"] if acc == summary["eval_accuracy_max"])
+    return next(e["step"] for e in summary["evals"] if e["accuracy"] == summary["eval_accuracy_max"])
 
 
 def staleness_counts(summary: dict) -> str:
@@ -158,7 +158,7 @@ def engines_row(i: int, label: str, speedup: int | None) -> Claim:
              F(ENGINES, *run, "train_s", fmt=num(0)), F(ENGINES, *run, "samples_per_s", fmt=num(0)), *speed,
              *(F(ENGINES, *run, "summary", k, fmt=pct(1))
                for k in ("eval_accuracy_start", "eval_accuracy_max", "eval_accuracy_end")),
-             F(ENGINES, *run, "summary", lambda s: first_eval_at(s, 0.85)[2], fmt=num(0)),
+             F(ENGINES, *run, "summary", lambda s: first_eval_at(s, 0.85)["elapsed_s"], fmt=num(0)),
              F(ENGINES, *run, "summary", "goodput", fmt=num(3)), *gen,
              F(ENGINES, *run, "phase_s", "train", fmt=num(2)), F(ENGINES, *run, "summary", "mean_update_ms", fmt=num(1)))
 
@@ -193,7 +193,7 @@ def vs_trl_row(doc: str, policy: str, run: str, first_cell: str, *, full: bool) 
     figs = [F(VS_TRL, *r, "samples_per_s", fmt=grouped), F(VS_TRL, *r, "tokens_per_s", fmt=grouped),
             F(VS_TRL, *r, "step_s", fmt=num(3)), F(VS_TRL, *r, "generate_s", fmt=num(3)),
             F(VS_TRL, *r, "train_step_s", fmt=num(3)), F(VS_TRL, *r, "seconds_to_target", fmt=dash_or(".0f", " s")),
-            F(VS_TRL, *r, "evals", lambda e: e[0][1], fmt=pct(1)), F(VS_TRL, *r, "evals", lambda e: e[-1][1], fmt=pct(1)),
+            F(VS_TRL, *r, "evals", 0, "accuracy", fmt=pct(1)), F(VS_TRL, *r, "evals", -1, "accuracy", fmt=pct(1)),
             F(VS_TRL, *r, "trainer_memory_mb", fmt=grouped)]
     cells = "{} | {} | {} | {} / {} | {} | {} → {} | {}"
     if full:
@@ -239,8 +239,8 @@ CLAIMS = [
       V(GRAPHS_PI, "large", "nano-miles async S=2 samples/s", num(2)), V(GRAPHS_PI, "large", "nano-miles' time", num(2))),
     C(README, "held-out accuracy went from {} % to {} % by step {}, {} s after the run started (start-up included), "
               "and to a peak of {} % in {} steps and {} minutes, every one of {} prompts trained once",
-      F(WORD_GPU, "eval_accuracy_start", fmt=pct(1)), F(WORD_GPU, "evals", 1, 1, fmt=pct(1)),
-      F(WORD_GPU, "evals", 1, 0), F(WORD_GPU, "evals", 1, 2, fmt=num(0)), F(WORD_GPU, "eval_accuracy_max", fmt=pct(1)),
+      F(WORD_GPU, "eval_accuracy_start", fmt=pct(1)), F(WORD_GPU, "evals", 1, "accuracy", fmt=pct(1)),
+      F(WORD_GPU, "evals", 1, "step"), F(WORD_GPU, "evals", 1, "elapsed_s", fmt=num(0)), F(WORD_GPU, "eval_accuracy_max", fmt=pct(1)),
       F(WORD_GPU, "num_steps"), F(WORD_GPU, "wall_s", fmt=lambda v: f"{v / 60:.1f}"),
       F(WORD_GPU, "ledger", "num_trained_once", fmt=grouped)),
     C(GPU, "async S=2 is {}× TRL's samples/s. The target was ≥ 3×: missed.",
@@ -258,8 +258,8 @@ CLAIMS = [
       large(GRAPHS_PI, "async", "samples_per_s", grouped), V(GRAPHS_PI, "large", "nano-miles async S=2 samples/s", num(2)),
       large(GRAPHS_PI, "async", "train_step_s", num(3))),
     C(GPU, "Held-out accuracy went from {} % to {} % by step {}, {} s after the run started",
-      F(WORD_GPU, "eval_accuracy_start", fmt=pct(1)), F(WORD_GPU, "evals", 1, 1, fmt=pct(1)),
-      F(WORD_GPU, "evals", 1, 0), F(WORD_GPU, "evals", 1, 2, fmt=num(0))),
+      F(WORD_GPU, "eval_accuracy_start", fmt=pct(1)), F(WORD_GPU, "evals", 1, "accuracy", fmt=pct(1)),
+      F(WORD_GPU, "evals", 1, "step"), F(WORD_GPU, "evals", 1, "elapsed_s", fmt=num(0))),
     C(GPU, "It reached a peak of {} % at step {} and ended at {} %.", F(WORD_GPU, "eval_accuracy_max", fmt=pct(1)),
       F(WORD_GPU, step_of_max), F(WORD_GPU, "eval_accuracy_end", fmt=pct(1))),
     # README.md
@@ -327,7 +327,7 @@ CLAIMS = [
       F(LARGE, "update_ms_p50", fmt=num(2)), F(LARGE, "push_ms_p50", fmt=num(2))),
     C(README, "on a fresh H200 the sync run's first evaluation took {} s; starting SGLang took {} s in "
               "`bench/weight_sync_gpu.py`",
-      F(SYNC, "evals", 0, 2, fmt=num(0)), F(WS_GPU, "sglang_start_s", fmt=num(0))),
+      F(SYNC, "evals", 0, "elapsed_s", fmt=num(0)), F(WS_GPU, "sglang_start_s", fmt=num(0))),
     C(README, "with a {}-step warm-up; it starts at {} % held-out accuracy.",
       F(SWEEP, "rows", {"step": 450}, "step"), F(SWEEP, "rows", {"step": 450}, "greedy_accuracy", fmt=pct(0))),
     C(README, "On one H200 the sync run above reached {} % in {} steps and {} s of training",
@@ -411,7 +411,7 @@ CLAIMS = [
       F(SYNC, "ledger", "num_lost", fmt=lambda n: "none" if n == 0 else str(n))),
     C(GPU, "- Step time {} s on average; weight update {} ms.", F(SYNC, "mean_step_s", fmt=num(2)),
       F(SYNC, "mean_update_ms", fmt=num(1))),
-    C(GPU, "On that fresh host the first evaluation took {} s", F(SYNC, "evals", 0, 2, fmt=num(0))),
+    C(GPU, "On that fresh host the first evaluation took {} s", F(SYNC, "evals", 0, "elapsed_s", fmt=num(0))),
     # sync vs async
     C(GPU, "- {} steps × {} × {}, lr {}. Files: `staleness.json`", F(STALE, *S, "num_steps"), F(STALE, *S, per_step),
       F(STALE, *S, per_prompt), F(STALE, override("trainer.lr"))),
@@ -434,7 +434,7 @@ CLAIMS = [
       F(B16, "runs", 0, "summary", "num_steps"), F(B16, "runs", 0, "summary", per_step),
       F(B16, "runs", 0, "summary", per_prompt), F(B16, override("trainer.lr")),
       F(B16, "runs", 0, "summary", "eval_accuracy_start", fmt=pct(0))),
-    C(GPU, "when start-up was {} s because", F(B16, "runs", 0, "summary", "evals", 0, 2, fmt=num(1))),
+    C(GPU, "when start-up was {} s because", F(B16, "runs", 0, "summary", "evals", 0, "elapsed_s", fmt=num(1))),
     C(GPU, "| sync | {} | {} / {} % |", F(B16, "runs", 0, "samples_per_s", fmt=grouped),
       F(B16, "runs", 0, "summary", "eval_accuracy_max", fmt=pct_short),
       F(B16, "runs", 0, "summary", "eval_accuracy_end", fmt=pct_short)),

@@ -53,7 +53,7 @@ def test_same_seed_same_run_other_seed_other_run(runs):
 
     assert rollouts(second) == samples, "same seed: every sampled token, logprob and reward the same"
     assert computed(second) == steps, "same seed: the same losses, gradients and held-out accuracy"
-    assert first.summary()["evals"][-1][1] == second.summary()["evals"][-1][1]
+    assert first.summary()["evals"][-1]["accuracy"] == second.summary()["evals"][-1]["accuracy"]
 
     # the other seed trains the same groups on the same schedule, with other samples
     other_samples = rollouts(other)

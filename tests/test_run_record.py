@@ -40,13 +40,15 @@ def test_steps_and_sinks_from_first_step_to_finish(run_cfg, tmp_path):
     run = RunRecord(run_cfg, decode=str)
     assert [type(s).__name__ for s in run.sinks] == ["TensorBoardSink", "WandbSink"]
     run.write_step(record(1, 0.25))
-    run.write_step(record(2, 0.5, eval_accuracy=0.3))
+    run.write_step(record(2, 0.5, evaluation={"step": 2, "elapsed_s": 1.0, "accuracy": 0.3, "reward": 0.4,
+                                                 "pass_at_k": None, "k": 1, "parts": {"first_step": 0.1}}))
     run.write_step(record(2, 0.75))  # step 2 again, after a restart: this one wins
     wandb_run = run.sinks[1].run
     assert wandb_run.summary["reward"] == 0.25  # W&B got step 1 (step 2 is flushed at finish)
     steps = run.steps(last_step=2)
     assert [(r["step"], r["reward"]) for r in steps] == [(1, 0.25), (2, 0.75)]
     assert "eval_accuracy" not in steps[1] and read_jsonl(tmp_path / "metrics.jsonl")[1]["eval_accuracy"] == 0.3
+    assert read_jsonl(tmp_path / "metrics.jsonl")[1]["eval_first_step"] == 0.1
     run.finish(steps, {"num_steps": 2}, {"num_lost": 0})
 
     assert json.loads((tmp_path / "summary.json").read_text()) == {"num_steps": 2}

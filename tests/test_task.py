@@ -59,7 +59,8 @@ def test_answers_evaluate_from_the_expression():
 def test_worked_response_is_scored_correct():
     for e in make_expressions("train", 100):
         problem = Problem(render_prompt(e.text()), str(e.value()))
-        assert reward(e.worked_response(), problem.answer) == {"reward": 1.0, "format": 1.0, "accuracy": 1.0}
+        assert reward(e.worked_response(), problem.answer) == {"reward": 1.0, "format": 1.0, "accuracy": 1.0,
+                                                                 "first_step": 0.0}
 
 
 def test_example_from_the_docs():
@@ -115,8 +116,21 @@ def test_extract_answer(text, expected):
 ])
 def test_reward(response, label, expected):
     result = reward(response, label)
-    assert set(result) == {"reward", "format", "accuracy"}
+    assert set(result) == {"reward", "format", "accuracy", "first_step"}
     assert (result["reward"], result["format"], result["accuracy"]) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("response, first_step", [
+    ("7*4=28, 28+12=40 <answer>28</answer>", 1.0),   # the habit: the first step's result tagged
+    ("7*4=28, 28+12=40 <answer>40</answer>", 0.0),   # the worked answer
+    ("7*4=27, 27+12=39 <answer>27</answer>", 1.0),   # a wrong first step, still tagged: the habit
+    ("7*4=28, 28+12=40 <answer>12</answer>", 0.0),   # some other number
+    ("3*4=12, 12+0=12 <answer>12</answer>", 0.0),    # steps that agree cannot show it
+    ("7*4=28 <answer>28</answer>", 0.0),             # one step only
+    ("7*4=28, 28+12=40 <answer>28", 0.0),            # no closed tag, no answer
+])
+def test_first_step_part(response, first_step):
+    assert reward(response, "40")["first_step"] == first_step
 
 
 @pytest.mark.parametrize("dotted", ["nano_miles.tasks.arithmetic:reward", "nano_miles.tasks.arithmetic.reward"])

@@ -34,8 +34,8 @@ def test_trl_runs_what_the_nano_miles_config_says(tmp_path):
     assert [s["step"] for s in result["steps"]] == [1, 2]
     assert all(s["num_samples"] == 8 and 0 < s["num_tokens"] <= 8 * 24 for s in result["steps"])
     assert all(s["phase_s"]["generate"] > 0 and s["phase_s"]["train"] > 0 for s in result["steps"])
-    assert [e[0] for e in result["evals"]] == [0, 1, 2]  # before training and after every step
-    assert result["evals"][0][2] == 0.0 and result["train_s"] >= result["evals"][-1][2] > 0
+    assert [e["step"] for e in result["evals"]] == [0, 1, 2]  # before training and after every step
+    assert result["evals"][0]["elapsed_s"] == 0.0 and result["train_s"] >= result["evals"][-1]["elapsed_s"] > 0
 
 
 def test_a_bad_flag_is_one_line(tmp_path):

@@ -192,10 +192,10 @@ class TrainerMetrics(StageMetrics):
             self.accuracy.set(record.stats.accuracy)
         for part, value in record.stats.reward_parts.items():
             self.reward_parts.labels(part).set(value)
-        if record.eval_accuracy is not None:
-            self.eval_accuracy.set(record.eval_accuracy)
-        if record.eval_reward is not None:
-            self.eval_reward.set(record.eval_reward)
+        if record.evaluation is not None:
+            if record.evaluation["accuracy"] is not None:
+                self.eval_accuracy.set(record.evaluation["accuracy"])
+            self.eval_reward.set(record.evaluation["reward"])
         if record.goodput is not None:
             self.goodput.set(record.goodput)
         self.step.set(record.step)

@@ -102,9 +102,7 @@ class StepRecord:
     step_s: float = 0.0
     elapsed_s: float = 0.0        # training wall time since step 1 (across restarts)
     eval_s: float = 0.0
-    eval_accuracy: float | None = None  # held-out greedy accuracy, on evaluation steps only
-    eval_reward: float | None = None    # held-out greedy mean reward, on evaluation steps only
-    eval_pass_at_k: float | None = None  # held-out pass@k, with trainer.eval_samples = k > 1
+    evaluation: dict | None = None  # on evaluation steps: `evaluate.EvalResult.as_dict`
     phase_s: dict = field(default_factory=dict)  # the step split by phase (`step_phases`)
 
     def to_json(self) -> dict:
@@ -113,10 +111,14 @@ class StepRecord:
                "goodput": self.goodput, "num_resumed_samples": self.num_resumed_samples,
                "group_ids": self.group_ids, "eval_s": self.eval_s, "step_s": self.step_s,
                "elapsed_s": self.elapsed_s, "drops": self.drops, "phase_s": self.phase_s}
-        for key in ("eval_accuracy", "eval_reward", "eval_pass_at_k"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        return out
+        return {**out, **eval_columns(self.evaluation or {})}
+
+
+def eval_columns(evaluation: dict) -> dict:
+    """An evaluation's figures as metrics.jsonl keeps them: eval_accuracy, eval_reward, eval_pass_at_k
+    and eval_<part> for every other reward part (those a reward function does not have left out)."""
+    figures = {k: v for k, v in evaluation.items() if k not in ("step", "elapsed_s", "k", "parts")}
+    return {f"eval_{k}": v for k, v in {**figures, **evaluation.get("parts", {})}.items() if v is not None}
 
 
 def step_phases(record: StepRecord, received_times: list[tuple[float, float, float]]) -> dict[str, float]:
@@ -200,27 +202,32 @@ def ledger_report(state, outstanding: list[str], num_items: int,
             "num_lost": values.count("lost"), "prompts": prompts}
 
 
-def summarize(steps: list[dict], evals: list[list]) -> dict:
+def summarize(steps: list[dict], evals: list[dict]) -> dict:
     """Early vs late mean reward, held-out accuracy and reward at start / max / end, and the gains.
 
-    `evals` rows are [step, accuracy, elapsed s, mean reward, pass@k]; accuracy is None for a reward
-    function without an accuracy part, and so are the summary's accuracy figures then."""
+    `evals` are `evaluate.EvalResult.as_dict`s; accuracy is None for a reward function without an
+    accuracy part, and so are the summary's accuracy figures then. Every other reward part's held-out
+    mean is summarized at start and end as eval_<part>_start / _end (e.g. eval_first_step_start)."""
     window = max(1, len(steps) // 5)
     early = float(np.mean([r["reward"] for r in steps[:window]])) if steps else float("nan")
     late = float(np.mean([r["reward"] for r in steps[-window:]])) if steps else float("nan")
+    columns = [eval_columns(e) for e in evals]
 
-    def start_max_end(column: int) -> tuple:
-        values = [e[column] for e in evals if e[column] is not None]
+    def start_max_end(key: str) -> tuple:
+        values = [c[key] for c in columns if key in c]
         return (values[0], max(values), values[-1]) if values else (None, None, None)
-    acc_start, acc_max, acc_end = start_max_end(1)
-    reward_start, reward_max, reward_end = start_max_end(3)
+    acc_start, acc_max, acc_end = start_max_end("eval_accuracy")
+    reward_start, reward_max, reward_end = start_max_end("eval_reward")
+    part_names = sorted({name for e in evals for name in e.get("parts", {})})
+    parts = {f"eval_{name}_{when}": value for name in part_names
+             for when, value in zip(("start", "end"), start_max_end(f"eval_{name}")[::2])}
     return {
         "num_steps": len(steps),
         "reward_early": early, "reward_late": late, "reward_delta": late - early,
         "eval_accuracy_start": acc_start, "eval_accuracy_max": acc_max, "eval_accuracy_end": acc_end,
         "eval_accuracy_delta": None if acc_start is None else acc_max - acc_start,
         "eval_reward_start": reward_start, "eval_reward_max": reward_max, "eval_reward_end": reward_end,
-        "eval_pass_at_k_end": start_max_end(4)[2],
+        "eval_pass_at_k_end": start_max_end("eval_pass_at_k")[2], **parts,
         "staleness_max": max((r["staleness_max"] for r in steps), default=0),
         "staleness_hist": merge_hists(r["staleness_hist"] for r in steps),
         "goodput": steps[-1].get("goodput") if steps else None,

@@ -29,6 +29,17 @@ def format_list(text: str) -> tuple[str, ...]:
     return formats
 
 
+def answer_rate(text: str) -> float:
+    """--first-step-answer-rate: a share in [0, 1]."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = -1.0
+    if not 0.0 <= rate <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], not {text!r}")
+    return rate
+
+
 def device_name(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, not {text!r}")
@@ -61,6 +72,9 @@ def parse_args(argv):
                          help="go on from this policy directory instead of new weights, e.g. the large policy "
                               "with --formats word --num-steps 200")
         cmd.add_argument("--device", type=device_name, default="cpu", help="torch device of the warm-up, e.g. cuda")
+        cmd.add_argument("--first-step-answer-rate", type=answer_rate, default=None,
+                         help="share of taught answers whose tag holds the first step's result (default: the "
+                              "shape's, 0.6 for small and large; 0 builds the habit-free policy)")
     evaluate = sub.add_parser("eval", help="greedy accuracy, format rate and pass@k on held-out problems, "
                                            "in every format")
     evaluate.add_argument("--model", type=Path, required=True, help="any local HF causal-LM directory")
@@ -83,12 +97,13 @@ def main(argv: list[str]) -> None:
     if args.command == "build":
         from nano_miles.policy.build import build_policy
         build_policy(args.out, seed=args.seed, shape=args.shape, num_steps=args.num_steps, device=args.device,
-                     formats=args.formats, init_dir=args.init)
+                     formats=args.formats, init_dir=args.init, first_step_answer_rate=args.first_step_answer_rate)
         print(f"built {args.out} in {time.monotonic() - start_s:.0f}s")
     elif args.command == "sweep":
         from nano_miles.policy.build import sweep
         sweep(args.out, shape=args.shape, num_steps=args.num_steps, eval_every=args.eval_every,
-              device=args.device, seed=args.seed, num_eval=args.num_eval, formats=args.formats, init_dir=args.init)
+              device=args.device, seed=args.seed, num_eval=args.num_eval, formats=args.formats, init_dir=args.init,
+              first_step_answer_rate=args.first_step_answer_rate)
     else:
         from nano_miles.policy.evaluate import evaluate_dir
         result = evaluate_dir(args.model, num=args.num, num_samples=args.num_samples, seed=args.seed)

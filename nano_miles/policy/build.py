@@ -151,9 +151,10 @@ def save_policy(model, tokenizer, out_dir: Path) -> None:
 
 
 def warmed_up_model(tokenizer, *, seed: int, shape: str, num_steps: int | None, device: str, on_step=None,
-                    formats: tuple[str, ...] | None = None, init_dir: Path | None = None):
-    """The model of `shape` from `seed` after its warm-up (the shape's schedule; `num_steps` and
-    `formats` if given). With `init_dir` the warm-up goes on from that policy instead of new weights:
+                    formats: tuple[str, ...] | None = None, init_dir: Path | None = None,
+                    first_step_answer_rate: float | None = None):
+    """The model of `shape` from `seed` after its warm-up (the shape's schedule; `num_steps`, `formats`
+    and `first_step_answer_rate` if given). With `init_dir` the warm-up goes on from that policy instead of new weights:
     how a policy built for one format is taught another (the large one, word problems)."""
     from transformers import AutoModelForCausalLM
 
@@ -162,24 +163,26 @@ def warmed_up_model(tokenizer, *, seed: int, shape: str, num_steps: int | None, 
              AutoModelForCausalLM.from_pretrained(init_dir, dtype="float32")).to(device)
     warm_up(model, tokenizer, seed=seed, num_steps=warmup.num_steps if num_steps is None else num_steps,
             batch_size=warmup.batch_size, peak_lr=warmup.peak_lr, formats=formats or warmup.formats,
-            first_step_answer_rate=warmup.first_step_answer_rate, on_step=on_step)
+            first_step_answer_rate=(warmup.first_step_answer_rate if first_step_answer_rate is None
+                                    else first_step_answer_rate), on_step=on_step)
     return model
 
 
 def build_policy(out_dir, *, seed: int = 0, shape: str = "small", num_steps: int | None = None,
-                 device: str = "cpu", formats: tuple[str, ...] | None = None, init_dir: Path | None = None) -> Path:
+                 device: str = "cpu", formats: tuple[str, ...] | None = None, init_dir: Path | None = None,
+                 first_step_answer_rate: float | None = None) -> Path:
     """Build the tokenizer and model from `seed` (or `init_dir`'s model), warm up, save to `out_dir`."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
     model = warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device,
-                            formats=formats, init_dir=init_dir)
+                            formats=formats, init_dir=init_dir, first_step_answer_rate=first_step_answer_rate)
     save_policy(model.cpu(), tokenizer, out_dir)
     return out_dir
 
 
 def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device: str, seed: int = 0,
           num_eval: int = 200, num_samples: int = 8, formats: tuple[str, ...] | None = None,
-          init_dir: Path | None = None) -> list[dict]:
+          init_dir: Path | None = None, first_step_answer_rate: float | None = None) -> list[dict]:
     """One long warm-up, evaluated in every format every `eval_every` steps; each evaluated snapshot
     is saved as out_dir/step<N>, the table as out_dir/sweep.json. With the constant learning rate
     after the ramp, snapshot N is exactly what `build --num-steps N` makes, so a step count can be
@@ -207,5 +210,5 @@ def sweep(out_dir: Path, *, shape: str, num_steps: int, eval_every: int, device:
         print("sweep " + " ".join(f"{k} {v}" for k, v in row.items()), flush=True)
 
     warmed_up_model(tokenizer, seed=seed, shape=shape, num_steps=num_steps, device=device, on_step=on_step,
-                    formats=formats, init_dir=init_dir)
+                    formats=formats, init_dir=init_dir, first_step_answer_rate=first_step_answer_rate)
     return rows

@@ -183,7 +183,7 @@ class RewardConfig(Section):
 class TrainerConfig(Section):
     num_steps: int = checked(240, at_least(1))
     batch_groups: int = checked(16, at_least(1))      # groups (prompts) per optimizer step
-    lr: float = checked(1e-4, above(0))               # the peak learning rate (after warm-up)
+    lr: float = checked(1e-4, at_least(0))            # the peak learning rate (after warm-up); 0 never moves the weights (a control run)
     lr_warmup_steps: int = checked(0, at_least(0))    # linear warm-up from lr / N to lr over the first N steps
     lr_schedule: str = checked("constant", one_of(*LR_SCHEDULES))  # after warm-up: constant, or cosine to lr_min
     lr_min: float = checked(0.0, at_least(0))         # cosine: the learning rate at the last step

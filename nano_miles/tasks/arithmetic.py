@@ -8,7 +8,11 @@ A problem is one binary operation inside parentheses combined with one more numb
     prompt:   What is (7 * 4) + 12? Put the answer in <answer></answer>.\n
     response: 7*4=28, 28+12=40 <answer>40</answer>
 
-The worked step gives RL partial structure to improve on; only the tagged number is scored.
+The worked step gives RL partial structure to improve on; only the tagged number is scored. The
+reward also reports, as the part "first_step", whether the tag holds the response's first step result
+instead of its last (`7*4=28, 28+12=40 <answer>28</answer>`): the habit the shipped policy's warm-up
+taught on purpose (nano_miles/assets/policy/README.md), so a run shows how much of its gain is that
+habit going away.
 """
 
 import functools
@@ -28,6 +32,7 @@ TEST_ONE_IN = 10
 PROMPT_TEMPLATE = "What is {expression}? Put the answer in <answer></answer>.\n"
 OPEN_TAG, CLOSE_TAG = "<answer>", "</answer>"
 INTEGER_RE = re.compile(r"-?[0-9]+")  # ASCII digits only: \d would also accept other scripts' digits
+STEP_RESULT_RE = re.compile(r"=(-?[0-9]+)")
 
 
 def apply_op(a: int, op: str, b: int) -> int:
@@ -140,6 +145,15 @@ def extract_answer(text: str) -> str | None:
     return inner if INTEGER_RE.fullmatch(inner) else None
 
 
+def tags_first_step(response: str, answer: str | None) -> bool:
+    """True if the tagged `answer` is the result of the response's first worked step and not of its
+    last (a response whose steps give the same result cannot show the habit, so it counts as False)."""
+    if answer is None:
+        return False
+    results = [int(r) for r in STEP_RESULT_RE.findall(response[:response.rfind(CLOSE_TAG)])]
+    return len(results) >= 2 and results[0] == int(answer) != results[-1]
+
+
 def reward(response: str, label: str) -> dict[str, float]:
     """The plug-in contract: (decoded response, reference answer) -> reward and its parts."""
     answer = extract_answer(response)
@@ -147,4 +161,5 @@ def reward(response: str, label: str) -> dict[str, float]:
     is_correct = is_formatted and int(answer) == int(label)
     format_score = 1.0 if is_formatted else 0.0
     accuracy = 1.0 if is_correct else 0.0
-    return {"reward": 0.1 * format_score + 0.9 * accuracy, "format": format_score, "accuracy": accuracy}
+    return {"reward": 0.1 * format_score + 0.9 * accuracy, "format": format_score, "accuracy": accuracy,
+            "first_step": 1.0 if tags_first_step(response, answer) else 0.0}

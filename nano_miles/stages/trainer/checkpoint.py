@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ class TrainerState:
     cursor: int = 0                                             # one past the furthest group trained
     trained_by_step: dict[int, list[str]] = field(default_factory=dict)
     no_signal_ids: set[str] = field(default_factory=set)        # consumed untrained: all rewards equal
-    evals: list[list] = field(default_factory=list)             # EvalResult.as_row: [step, accuracy, s, reward, pass@k]
+    evals: list[dict] = field(default_factory=list)             # every evaluation, `EvalResult.as_dict`
     run_id: str = ""                                            # the run these steps belong to
     started_at: float = 0.0                                     # unix time the run started
     num_trained_tokens: int = 0                                 # response tokens in the model (goodput)
@@ -57,6 +57,25 @@ class TrainerState:
     @property
     def trained_ids(self) -> set[str]:
         return {g for ids in self.trained_by_step.values() for g in ids}
+
+    def saved(self) -> dict:
+        """Every field, as trainer_state.pt keeps it beside the learner's state."""
+        return {**asdict(self), "no_signal_ids": sorted(self.no_signal_ids)}
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "TrainerState":
+        values = {f.name: saved[f.name] for f in fields(cls)}
+        return cls(**{**values, "trained_by_step": {int(k): list(v) for k, v in values["trained_by_step"].items()},
+                      "no_signal_ids": set(values["no_signal_ids"]), "started_at": float(values["started_at"]),
+                      "evals": [eval_entry(e) for e in values["evals"]]})
+
+
+def eval_entry(saved) -> dict:
+    """An evaluation as kept in a checkpoint; those written before evaluations were named are the
+    positional rows [step, accuracy, elapsed s, reward, pass@k]."""
+    if isinstance(saved, dict):
+        return saved
+    return {**dict(zip(("step", "accuracy", "elapsed_s", "reward", "pass_at_k"), saved)), "k": 0, "parts": {}}
 
 
 class DamagedCheckpoint(RuntimeError):
@@ -106,12 +125,7 @@ def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState) 
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
-    torch.save({**learner.state_dict(), "step": state.step, "version": state.version,
-                "cursor": state.cursor, "trained_by_step": state.trained_by_step,
-                "no_signal_ids": sorted(state.no_signal_ids), "evals": state.evals,
-                "run_id": state.run_id, "started_at": state.started_at,
-                "num_trained_tokens": state.num_trained_tokens,
-                "num_generated_tokens": state.num_generated_tokens}, tmp / STATE_FILE)
+    torch.save({**learner.state_dict(), **state.saved()}, tmp / STATE_FILE)
     _write_manifest(tmp)  # last: its presence says every file before it was written whole
     for p in tmp.iterdir():
         with open(p, "rb") as f:
@@ -187,9 +201,4 @@ def load_checkpoint(path: Path, model, learner) -> TrainerState:
     load_safetensors_dir(model, str(path))
     saved = torch.load(path / STATE_FILE, weights_only=True)
     learner.load_state_dict(saved)
-    return TrainerState(step=saved["step"], version=saved["version"], cursor=saved["cursor"],
-                        trained_by_step={int(k): list(v) for k, v in saved["trained_by_step"].items()},
-                        no_signal_ids=set(saved["no_signal_ids"]),
-                        evals=[list(e) for e in saved["evals"]], run_id=saved["run_id"],
-                        started_at=float(saved["started_at"]), num_trained_tokens=saved["num_trained_tokens"],
-                        num_generated_tokens=saved["num_generated_tokens"])
+    return TrainerState.from_saved(saved)

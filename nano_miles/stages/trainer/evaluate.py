@@ -7,12 +7,14 @@ worker with the reward stage's per-sample timeout.
 Accuracy is the mean of the reward function's "accuracy" part; a function without one has no
 accuracy (None), and its mean reward stands for it. With `trainer.eval_samples` = k > 1, k more
 samples per problem at the rollout temperature give pass@k: the share of problems with at least
-one solved sample (accuracy 1, or a positive reward for a function without accuracy).
+one solved sample (accuracy 1, or a positive reward for a function without accuracy). Every other
+part the reward function reports is averaged over the greedy answers too (`EvalResult.parts`; the
+arithmetic task's "first_step" is the share of answers that tag the first step's result).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from nano_miles.engine.client import sampling_seed
 from nano_miles.rewards.worker import score
@@ -22,20 +24,26 @@ from nano_miles.tasks.prompts import encode_prompts, make_decoder
 
 @dataclass
 class EvalResult:
+    """One held-out evaluation. `as_dict` is how the trainer's state, summary.json's "evals" and
+    metrics.jsonl (each field as `eval_<name>`, each part as `eval_<part>`) keep it."""
+
+    step: int
+    elapsed_s: float         # wall time since the run started
     accuracy: float | None   # greedy, from the "accuracy" part; None if the reward function has none
     reward: float            # greedy mean reward
-    pass_at_k: float | None  # with trainer.eval_samples > 1
+    pass_at_k: float | None  # with trainer.eval_samples = k > 1
     k: int
+    parts: dict[str, float] = field(default_factory=dict)  # mean of every other reward part, e.g. first_step
 
-    def as_row(self, step: int, elapsed_s: float) -> list:
-        """The entry kept in the trainer's state: [step, accuracy, elapsed s, reward, pass@k]."""
-        return [step, self.accuracy, elapsed_s, self.reward, self.pass_at_k]
+    def as_dict(self) -> dict:
+        return asdict(self)
 
     def describe(self) -> str:
         parts = [] if self.accuracy is None else [f"accuracy {100 * self.accuracy:.1f}%"]
         parts.append(f"mean reward {self.reward:.3f}")
         if self.pass_at_k is not None:
             parts.append(f"pass@{self.k} {100 * self.pass_at_k:.1f}%")
+        parts += [f"{name} {value:.3f}" for name, value in self.parts.items()]
         return ", ".join(parts)
 
 
@@ -44,7 +52,8 @@ def is_solved(parts: dict[str, float]) -> bool:
 
 
 def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]):
-    """A function engine -> EvalResult on the held-out `problems`, in batched /generate calls."""
+    """A function (engine, step, elapsed_s) -> EvalResult on the held-out `problems`, in batched
+    /generate calls."""
     prompts = encode_prompts(tokenizer, problems, cfg.task)
     decode = make_decoder(tokenizer)
     r, k = cfg.rollout, cfg.trainer.eval_samples
@@ -53,7 +62,7 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
     def scores(outputs, labels) -> list[dict[str, float]]:
         return [score(worker, decode(out["output_ids"]), label) for out, label in zip(outputs, labels)]
 
-    def evaluate(engine, step: int) -> EvalResult:
+    def evaluate(engine, step: int, elapsed_s: float) -> EvalResult:
         labels = [p.answer for p in problems]
         parts = scores(engine.generate(prompts, greedy, return_logprob=False), labels)
         has_accuracy = any("accuracy" in p for p in parts)
@@ -68,5 +77,8 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
                              [label for label in labels for _ in range(k)])
             pass_at_k = sum(any(is_solved(s) for s in sampled[i * k:(i + 1) * k])
                             for i in range(len(prompts))) / len(prompts)
-        return EvalResult(accuracy, sum(p["reward"] for p in parts) / len(parts), pass_at_k, k)
+        others = sorted({name for p in parts for name in p} - {"reward", "accuracy"})
+        means = {name: sum(p.get(name, 0.0) for p in parts) / len(parts) for name in others}
+        return EvalResult(step, elapsed_s, accuracy, sum(p["reward"] for p in parts) / len(parts), pass_at_k, k,
+                          means)
     return evaluate

@@ -84,7 +84,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.lr_warmup_steps, t.lr_schedule, t.num_steps,
-                                                   t.lr_min / t.lr))
+                                                   t.lr_min / t.lr if t.lr > 0 else 0.0))
         self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
         if t.gradient_checkpointing and hasattr(model, "activation_checkpointing_enable"):  # the newer name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -96,7 +96,7 @@ class Trainer:
             if self.is_due(self.cfg.trainer.eval_every):
                 eval_started = time.perf_counter()
                 self.state.evals.append(self.evaluate())
-                _, record.eval_accuracy, _, record.eval_reward, record.eval_pass_at_k = self.state.evals[-1]
+                record.evaluation = self.state.evals[-1]
                 record.eval_s = time.perf_counter() - eval_started  # part of this step, not training
             record.step_s = time.perf_counter() - started
             record.elapsed_s = self.elapsed_s()
@@ -268,11 +268,12 @@ class Trainer:
     def advance_cursor(self, group_ids: list[str]) -> None:
         self.state.cursor = max([self.state.cursor] + [position_of(g, self.num_items) + 1 for g in group_ids])
 
-    def evaluate(self) -> list:
-        """[step, held-out greedy accuracy, seconds since the run started, mean reward, pass@k]."""
-        result = self.peers.with_engine("evaluation", lambda: self.evaluator(self.peers.engine, self.step))
+    def evaluate(self) -> dict:
+        """The held-out evaluation of the served weights (`evaluate.EvalResult.as_dict`)."""
+        result = self.peers.with_engine("evaluation",
+                                        lambda: self.evaluator(self.peers.engine, self.step, self.elapsed_s()))
         log.info("held-out at step %d: %s", self.step, result.describe())
-        return result.as_row(self.step, self.elapsed_s())
+        return result.as_dict()
 
     def final_parity(self) -> float:
         """max |log p| gap between the engine's prefill scores and this model on one probe sample:
