@@ -107,12 +107,12 @@ def measure(case: Case, device: str) -> dict:
 
     from nano_miles.algo import grpo
     from nano_miles.run.config import TrainerConfig
-    from nano_miles.stages.trainer.learner import Learner, Sample
+    from nano_miles.stages.trainer.learner import Learner, TrainSample
     torch.set_num_threads(1)  # the trainer's default trainer.num_threads
     model = make_model(device)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
-    samples = [Sample(rng.integers(3, vocab, case.prompt), rng.integers(3, vocab, case.response),
+    samples = [TrainSample(rng.integers(3, vocab, case.prompt), rng.integers(3, vocab, case.response),
                       np.full(case.response, -5.0, np.float32), float(rng.standard_normal()))
                for _ in range(case.samples)]
     cfg = TrainerConfig(lr=1e-6, micro_batch_tokens=case.budget, dtype=case.dtype,

@@ -2,7 +2,7 @@
 
 Run on a GPU host with sglang: python bench/update_wakeup_gpu.py [--rounds 8] [--out bench/results/gpu]
 
-`bench/weight_sync_gpu.py` pushes its updates back to back and times the flat path's apply at about
+`bench/weight_sync_gpu.py` pushes its updates back to back and times the flat transport's apply at about
 4.5 ms at the Qwen2.5-0.5B shape; in a pipeline run the same apply takes about 5.5 ms. An update in a
 run follows a second of generating (sync) or of the engine waiting (the trainer's step), never another
 update. This bench serves the same random-init model from one SGLang server per pause mode (in_place:

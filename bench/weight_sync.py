@@ -6,7 +6,7 @@ For each model shape, one local engine process serves the model; the trainer-sid
 through `/update_weights_from_tensor` (payload = shared-memory handles) and, alternately, written
 with `save_pretrained` and loaded by the engine with `/update_weights_from_disk`. Medians of
 `--repeats` rounds; the two paths alternate inside each round so machine noise hits both alike.
-Target: the shared-memory path at least 20x faster than the disk path, for every shape; each shape's
+Target: the shared-memory transport at least 20x faster than the disk transport, for every shape; each shape's
 verdict ("met" or "missed by X") is printed and kept in its row. Prints a table and writes
 bench/results/weight_sync.json (or --out).
 """

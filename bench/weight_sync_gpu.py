@@ -1,12 +1,12 @@
-"""GPU weight hot-update into SGLang at the Qwen2.5-0.5B shape: stock CUDA-IPC buckets vs the flat path vs disk.
+"""GPU weight hot-update into SGLang at the Qwen2.5-0.5B shape: stock CUDA-IPC buckets vs the flat transport vs disk.
 
 Run on a GPU host with sglang: python bench/weight_sync_gpu.py [--repeats 12] [--out bench/results/gpu]
 
 One SGLang server serves a random-init bf16 model of the Qwen2.5-0.5B-Instruct shape (no download);
 this process plays the trainer, with the same model on the same GPU. Each round pushes the full
-weights through every path, one after the other, so machine noise hits all alike:
+weights through every transport, one after the other, so machine noise hits all alike:
 
-* bucket-1: SGLang's stock path, one `FlattenedTensorBucket` of everything (`load_format="flattened_bucket"`)
+* bucket-1: SGLang's stock transport, one `FlattenedTensorBucket` of everything (`load_format="flattened_bucket"`)
 * bucket-512MiB: the same in 512 MiB buckets, what `tensor_sender.push_weights` sends by default
 * flat: `nano_miles/weights/flat_sender.py`, a persistent trainer-owned buffer the engine maps once
 * one-tensor: a bucket holding one small tensor, the fixed cost of an update call
@@ -16,9 +16,9 @@ Then, in the same run, the pipeline itself (`--in-loop-steps`, default 30): supe
 the engine slot serving the same random-init model (with the project's tokenizer, so every stage
 runs; its samples are noise and its rewards mostly zero, which the trainer still trains on) and the
 trainer on the GPU in fp32. Every step ends in a weight update, timed by the trainer itself into
-metrics.jsonl; the trainer's summary names the path it took ("flat" unless SGLang lacks the loader).
+metrics.jsonl; the trainer's summary names the transport it took ("flat" unless SGLang lacks the loader).
 
-Targets: the flat path's median update at most 8 ms here; in the loop, the median update (the
+Targets: the flat transport's median update at most 8 ms here; in the loop, the median update (the
 trainer's `update_ms`: pushing plus telling the producer) at most 6 ms and within 1.5 ms of the
 one-tensor floor measured above. Verdicts ("met" or "missed by X ms") are printed and kept in the JSON.
 Prints a table of medians (with the client-side split gather / serialize / apply) and writes
@@ -40,7 +40,7 @@ from harness.model_shapes import QWEN25_05B  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 PATHS = ["bucket-1", "bucket-512MiB", "flat", "one-tensor", "disk"]
-TARGET_MS = 8.0   # p50 of the flat path
+TARGET_MS = 8.0   # p50 of the flat transport
 TARGET_PATH = "flat"
 IN_LOOP_TARGET_MS = 6.0       # p50 of the trainer's update_ms in a pipeline run
 IN_LOOP_FLOOR_GAP_MS = 1.5    # ... above the one-tensor floor
@@ -92,7 +92,7 @@ def measure_in_loop(model_dir: Path, run_dir: Path, num_steps: int) -> dict:
     update = [r["update_ms"] for r in steps]
     split = {part: statistics.median(r["update_split_ms"].get(part, 0.0) for r in steps)
              for part in ("pause", "gather", "serialize", "apply", "resume")}
-    return {"weight_path": run.summary()["weight_path"], "num_steps": num_steps, "skipped_steps": IN_LOOP_SKIP,
+    return {"weight_transport": run.summary()["weight_transport"], "num_steps": num_steps, "skipped_steps": IN_LOOP_SKIP,
             "update_p50_ms": statistics.median(update),
             "update_p90_ms": sorted(update)[int(0.9 * (len(update) - 1))],
             "push_p50_ms": statistics.median(sum(r["update_split_ms"].get(p, 0.0) for p in
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
     loop = result.get("in_loop")
     if loop:
         floor = result["paths"]["one-tensor"]["total_ms"]
-        print(f"\nin the loop ({loop['weight_path']} path, steps {IN_LOOP_SKIP + 1}-{loop['num_steps']}): "
+        print(f"\nin the loop ({loop['weight_transport']} transport, steps {IN_LOOP_SKIP + 1}-{loop['num_steps']}): "
               f"update p50 {loop['update_p50_ms']:.2f} ms, p90 {loop['update_p90_ms']:.2f} ms, push p50 "
               f"{loop['push_p50_ms']:.2f} ms; " + ", ".join(f"{k} {v:.2f}" for k, v in loop["split_p50_ms"].items()))
         verdicts += [Verdict("in-loop update p50", loop["update_p50_ms"], "<=", IN_LOOP_TARGET_MS, "ms", 2),

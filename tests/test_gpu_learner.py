@@ -12,7 +12,7 @@ import torch
 from conftest import GPU_ONLY, report
 from harness.model_shapes import QWEN25_05B
 from nano_miles.run.config import TrainerConfig
-from nano_miles.stages.trainer.learner import Learner, Sample
+from nano_miles.stages.trainer.learner import Learner, TrainSample
 
 pytestmark = GPU_ONLY
 
@@ -25,9 +25,9 @@ def small_qwen(num_layers: int = 4):
         return Qwen2ForCausalLM(Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": num_layers})).float()
 
 
-def samples(num: int, response: int = 512) -> list[Sample]:
+def samples(num: int, response: int = 512) -> list[TrainSample]:
     rng = np.random.default_rng(0)
-    return [Sample(rng.integers(3, 150000, int(rng.integers(20, 60))), rng.integers(3, 150000, response),
+    return [TrainSample(rng.integers(3, 150000, int(rng.integers(20, 60))), rng.integers(3, 150000, response),
                    np.full(response, -11.0, np.float32), float(rng.choice([-1.0, 1.0]))) for _ in range(num)]
 
 
@@ -52,11 +52,11 @@ def test_micro_batches_bf16_and_checkpointing_on_cuda():
     assert results["micro"].num_micro_batches >= 4
     scale = max(float(g.abs().max()) for g in whole_grads.values())
     for name in ("micro", "ckpt"):
-        assert results[name].loss == pytest.approx(whole.loss, abs=1e-5)
+        assert results[name].pg_loss == pytest.approx(whole.pg_loss, abs=1e-5)
         for n, g in runs[name][1].items():
             assert (g - whole_grads[n]).abs().max() <= 1e-4 * scale, (name, n)
-    assert results["bf16"].loss == pytest.approx(whole.loss, rel=0.05, abs=1e-3)
-    assert results["bf16"].entropy == pytest.approx(whole.entropy, rel=0.05)
+    assert results["bf16"].pg_loss == pytest.approx(whole.pg_loss, rel=0.05, abs=1e-3)
+    assert results["bf16"].means.entropy == pytest.approx(whole.means.entropy, rel=0.05)
     peaks = {name: r.peak_memory_mb for name, r in results.items()}
     assert peaks["ckpt"] < peaks["micro"] < peaks["whole"], peaks
     report("learner_peak_mb_16x580_4layer_qwen_shape", peaks)

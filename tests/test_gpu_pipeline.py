@@ -35,7 +35,7 @@ def test_sync_pipeline_learns_on_gpu(tmp_path):
     assert [r["step"] for r in records] == list(range(1, num_steps + 1))
     assert all(r["version"] == r["step"] for r in records), "engine weights must follow every step"
     assert all(r["staleness_max"] == 0 for r in records)
-    assert s["weight_path"] == "flat", "SGLang is started with the flat loader: the trainer must use it"
+    assert s["weight_transport"] == "flat", "SGLang is started with the flat loader: the trainer must use it"
     # The small policy starts at 13 % held-out; on 2 CPU cores, sync runs of 48 steps at this batch
     # size gained +20 to +24.5 points over seeds 0-4 (bench/results/learning_seeds.json). The training
     # reward of a single 60-step run is noise (an early/late comparison failed here once), held-out

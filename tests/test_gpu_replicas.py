@@ -38,6 +38,6 @@ def test_two_sglang_replicas_survive_kill_9(tmp_path):
     assert ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0, ledger
     assert ledger["num_trained_once"] == NUM_STEPS * 8
     assert sorted(run.steps()) == list(range(1, NUM_STEPS + 1))
-    assert summary["weight_path"] == "flat", "both engines load the flat buffer: the trainer must use it"
+    assert summary["weight_transport"] == "flat", "both engines load the flat buffer: the trainer must use it"
     assert summary["engine_final_version"] == str(NUM_STEPS), "the replicas disagree or lag"
     assert "exited: engine_1 (terminated by SIGKILL" in (run.run_dir / "supervisord.log").read_text()

@@ -59,8 +59,8 @@ def test_group_rollout_to_loss_end_to_end_with_step0_parity(engine_url, policy):
     logp = trainer_logprobs(model, batch)
     out = ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
     # engine (KV-cached, batched decode) and trainer (one full forward) agree in fp32
-    assert out.parity <= 1e-5
-    assert out.clip_fraction == 0.0 and out.dual_clip_fraction == 0.0
+    assert out.means.parity <= 1e-5
+    assert out.means.clip_fraction == 0.0 and out.means.dual_clip_fraction == 0.0
     # with the trainer's own logprobs as the old policy the ratio is exactly 1
     exact = ppo_loss(logp, logp, batch.advantages, batch.loss_mask)
     masked_adv = batch.advantages[batch.loss_mask]
@@ -89,7 +89,7 @@ def test_trainer_logprobs_match_the_engine_sampling_with_temperature_top_k_and_t
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logp = token_logprobs(model, batch.input_ids, batch.targets, batch.attention_mask, temperature)
     out = ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
-    assert out.parity <= 1e-5  # the bound of the temperature-1 case above
+    assert out.means.parity <= 1e-5  # the bound of the temperature-1 case above
     gaps = (logp - batch.old_logprobs)[batch.loss_mask].abs()
     assert gaps.max() <= 1e-4
     # sampling was truncated all the same: every sampled token is among the top k, and inside the top-p

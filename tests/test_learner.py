@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from nano_miles.algo import grpo
 from nano_miles.algo.grpo import assemble_batch, micro_batches, token_scores
 from nano_miles.run.config import TrainerConfig
-from nano_miles.stages.trainer.learner import Learner, Sample, lr_factor
+from nano_miles.stages.trainer.learner import Learner, TrainSample, lr_factor
 
 TEMPERATURE = 0.8
 
@@ -25,7 +25,7 @@ def policy(policy_dir):
     return lambda: AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
 
 
-def make_samples(num: int, seed: int = 0) -> list[Sample]:
+def make_samples(num: int, seed: int = 0) -> list[TrainSample]:
     """Samples of very different lengths, behaviour log-probs near a real policy's, advantages +-."""
     rng = np.random.default_rng(seed)
     samples = []
@@ -33,7 +33,7 @@ def make_samples(num: int, seed: int = 0) -> list[Sample]:
         prompt = rng.integers(3, 260, size=int(rng.integers(4, 20)))
         response = rng.integers(3, 260, size=int(rng.integers(2, 40)))
         logprobs = -rng.uniform(0.1, 4.0, size=len(response)).astype(np.float32)
-        samples.append(Sample(prompt, response, logprobs, float(rng.choice([-1.0, 1.0]) * rng.uniform(0.3, 1.5))))
+        samples.append(TrainSample(prompt, response, logprobs, float(rng.choice([-1.0, 1.0]) * rng.uniform(0.3, 1.5))))
     return samples
 
 
@@ -74,9 +74,9 @@ def test_micro_batched_step_is_the_whole_batch_step(policy):
         model = policy()
         _, result = step_with(model, samples, micro_batch_tokens=budget)
         splits[budget] = result.num_micro_batches
-        assert result.loss == pytest.approx(whole.loss, abs=1e-6)
+        assert result.pg_loss == pytest.approx(whole.pg_loss, abs=1e-6)
         assert result.grad_norm == pytest.approx(whole.grad_norm, rel=1e-5)
-        assert result.num_tokens == whole.num_tokens and result.entropy == pytest.approx(whole.entropy, rel=1e-5)
+        assert result.num_tokens == whole.num_tokens and result.means.entropy == pytest.approx(whole.means.entropy, rel=1e-5)
         scale = max(float(q.grad.abs().max()) for q in whole_model.parameters())
         for (name, p), q in zip(model.named_parameters(), whole_model.parameters()):
             assert (p.grad - q.grad).abs().max() <= 5e-6 * scale, (budget, name)
@@ -126,8 +126,8 @@ def test_bfloat16_autocast_keeps_fp32_weights_and_nearly_the_fp32_step(policy):
     learner, bf16 = step_with(bf16_model, samples, dtype="bfloat16")
     assert all(p.dtype == torch.float32 for p in bf16_model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in learner.optimizer.state.values())
-    assert bf16.loss == pytest.approx(fp32.loss, rel=0.05, abs=1e-3)
-    assert bf16.entropy == pytest.approx(fp32.entropy, rel=0.05)
+    assert bf16.pg_loss == pytest.approx(fp32.pg_loss, rel=0.05, abs=1e-3)
+    assert bf16.means.entropy == pytest.approx(fp32.means.entropy, rel=0.05)
     moved = [(p - q).abs().max() for p, q in zip(bf16_model.parameters(), fp32_model.parameters())]
     assert max(moved) > 0  # bf16 is not the fp32 computation, only close to it
 
@@ -145,13 +145,13 @@ def test_entropy_and_k3_kl_are_what_a_plain_forward_gives(policy):
     entropy = -(logp_all.exp() * logp_all).sum(-1)[mask].mean()
     logp, ref = (x.gather(-1, batch.targets[..., None])[..., 0][mask] for x in (logp_all, ref_all))
     k3 = (torch.exp(ref - logp) - (ref - logp) - 1).mean()
-    assert first.entropy == pytest.approx(float(entropy), rel=1e-5)
-    assert first.kl == pytest.approx(float(k3), rel=1e-3) and first.kl >= 0
+    assert first.means.entropy == pytest.approx(float(entropy), rel=1e-5)
+    assert first.means.kl == pytest.approx(float(k3), rel=1e-3) and first.means.kl >= 0
     for _ in range(3):
         later = learner.step(samples)
-    assert later.kl > 10 * first.kl  # the policy moved away from its bf16 starting copy
+    assert later.means.kl > 10 * first.means.kl  # the policy moved away from its bf16 starting copy
     _, off = step_with(policy(), samples)
-    assert off.kl is None
+    assert off.means.kl is None
 
 
 def test_learning_rate_warms_up_then_follows_the_cosine_to_lr_min():

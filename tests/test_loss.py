@@ -18,7 +18,7 @@ def one_token(logp, old, adv):
 def test_step0_ratio_one_no_clipping():
     logp = torch.tensor([[-1.0, -2.0, -0.5]])
     out = ppo_loss(logp, logp.clone(), torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3, dtype=torch.bool))
-    assert out.clip_fraction == 0.0 and out.dual_clip_fraction == 0.0 and out.parity == 0.0
+    assert out.means.clip_fraction == 0.0 and out.means.dual_clip_fraction == 0.0 and out.means.parity == 0.0
     assert out.loss.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
 
 
@@ -33,8 +33,8 @@ def test_step0_ratio_one_no_clipping():
 def test_clipping_cases(log_ratio, adv, expected, clipped):
     out = one_token(-1.0 + log_ratio, -1.0, adv)
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
-    assert out.clip_fraction == (1.0 if clipped else 0.0)
-    assert out.dual_clip_fraction == (1.0 if log_ratio == 2.0 else 0.0)
+    assert out.means.clip_fraction == (1.0 if clipped else 0.0)
+    assert out.means.dual_clip_fraction == (1.0 if log_ratio == 2.0 else 0.0)
 
 
 def test_masked_positions_cannot_change_the_loss():
@@ -48,7 +48,7 @@ def test_masked_positions_cannot_change_the_loss():
     nasty_adv = torch.tensor([[1.0, -1.0, 1e30, float("inf")]])
     out = ppo_loss(nasty_logp, nasty_old, nasty_adv, mask)
     assert torch.isfinite(out.loss) and out.loss.item() == base.loss.item()
-    assert out.parity == pytest.approx(base.parity) and out.num_tokens == 2
+    assert out.means.parity == pytest.approx(base.means.parity) and out.num_tokens == 2
     out.loss.backward()
     assert torch.isfinite(nasty_logp.grad).all() and nasty_logp.grad[0, 2:].abs().sum() == 0
 
@@ -69,7 +69,7 @@ def test_parity_measures_engine_gap():
     logp = torch.tensor([[-1.0, -2.0]])
     out = ppo_loss(logp, logp, torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
                    engine_logp=torch.tensor([[-1.5, -2.0]]))
-    assert out.parity == pytest.approx(0.25)
+    assert out.means.parity == pytest.approx(0.25)
 
 
 def test_config_validation():
@@ -136,7 +136,7 @@ def test_batch_loss_is_a_token_mean_over_rows_of_different_lengths():
     out = ppo_loss(logp, old, adv, mask, CFG, is_weights=weights)
     assert out.num_tokens == num_tokens
     assert out.loss.item() == pytest.approx(token_mean, rel=1e-5)
-    assert out.clip_fraction == pytest.approx(num_clipped / num_tokens)
-    assert out.dual_clip_fraction == pytest.approx(num_dual / num_tokens)
+    assert out.means.clip_fraction == pytest.approx(num_clipped / num_tokens)
+    assert out.means.dual_clip_fraction == pytest.approx(num_dual / num_tokens)
     out.loss.backward()
     assert torch.allclose(logp.grad.double(), grads, atol=1e-6)  # every token weighs 1 / num_tokens

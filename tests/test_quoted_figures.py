@@ -287,7 +287,7 @@ CLAIMS = [
       F(WS_CPU, {"shape": "policy"}, "num_params", fmt=lambda v: f"{v / 1e6:.1f}")),
     C(README, "--out runs/policy-medium # {} s on an H200", F(SWEEP, "rows", {"step": 450}, "warmup_s", fmt=num(0))),
     C(README, "(`nano_miles/weights/flat_sender.py`; {} ms p50 at the Qwen2.5-0.5B shape in "
-              "`bench/weight_sync_gpu.py`, where SGLang's stock bucket path took {} ms; {} ms p50 per update "
+              "`bench/weight_sync_gpu.py`, where SGLang's stock bucket transport took {} ms; {} ms p50 per update "
               "inside a pipeline run on that model)",
       F(WS_GPU, *FLAT, "total_ms", fmt=num(2)), F(WS_GPU, "paths", "bucket-1", "total_ms", fmt=num(2)),
       F(WS_GPU, "in_loop", "update_p50_ms", fmt=num(2))),
@@ -360,7 +360,7 @@ CLAIMS = [
     C(GPU, "- pass 2, with the router: {} in {} s.", F(SUITE2, "pass_2", "summary", fmt=suite_counts),
       F(SUITE2, "pass_2", "summary", suite_seconds, fmt=num(0))),
     C(GPU, "The 60-step pipeline run went from {} % to {} % held-out (max) in pass 1 and from {} % to {} % in "
-           "pass 2 (the test asks for +10 points), every update through the flat path ({} and {} ms median).",
+           "pass 2 (the test asks for +10 points), every update through the flat transport ({} and {} ms median).",
       *(F(SUITE2, p, "report", "pipeline_summary", k, fmt=pct_short)
         for p in ("pass_1", "pass_2") for k in ("eval_accuracy_start", "eval_accuracy_max")),
       *(F(SUITE2, p, "report", "pipeline_update_ms_median", fmt=num(2)) for p in ("pass_1", "pass_2"))),

@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from nano_miles.observe.run_record import StepStats, format_step_line, summarize
+from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics, StepStats
+from nano_miles.observe.run_record import format_step_line, summarize
 from nano_miles.rewards import load_reward
 from nano_miles.rewards.math import extract_answer, reward
 from nano_miles.rewards.worker import RewardWorker
 from nano_miles.run.config import RewardConfig
 from nano_miles.stages.reward.scorer import score_group
-from nano_miles.stages.trainer.learner import LearnResult
 from nano_miles.wire.data import RolloutGroup, Sample
 
 GSM8K_LABEL = "Sam has 7*4=28 marbles. Then 28+12=40.\n#### 40"
@@ -93,15 +93,15 @@ def test_a_reward_function_without_accuracy_works_through_scoring_records_and_su
         worker.stop()
     assert scored.rewards.tolist() == [1.0, 0.0, 1.0] and scored.reward_parts == {}
 
-    learned = LearnResult(loss=0.5, clip_fraction=0.0, dual_clip_fraction=0.0, parity=0.0, num_tokens=3,
-                          grad_norm=1.0, lr=1e-4, entropy=0.5, kl=None, num_micro_batches=1, peak_memory_mb=1.0,
-                          train_tokens_per_s=10.0)
+    learned = LearnResult(pg_loss=0.5, means=LossDiagnostics(clip_fraction=0.0, dual_clip_fraction=0.0, parity=0.0,
+                                                             entropy=0.5), num_tokens=3, grad_norm=1.0, lr=1e-4)
     stats = StepStats.from_groups([scored], step=1, learned=learned)
     assert stats.accuracy is None and stats.format is None and stats.reward == pytest.approx(2 / 3)
     record = {**stats.as_dict(), "step": 1, "update_ms": 1.0, "queue_depth": 0, "step_s": 0.1,
               "eval_reward": 0.25}
     line = format_step_line(record, 10)
     assert "acc" not in line and "format" not in line and "held-out reward 0.250" in line
-    summary = summarize([record], [[0, None, 0.0, 0.25, None], [1, None, 1.0, 0.75, None]])
+    summary = summarize([record], [{"step": step, "accuracy": None, "elapsed_s": float(step), "reward": reward,
+                                    "pass_at_k": None, "k": 1, "parts": {}} for step, reward in ((0, 0.25), (1, 0.75))])
     assert summary["eval_accuracy_start"] is None and summary["eval_accuracy_delta"] is None
     assert (summary["eval_reward_start"], summary["eval_reward_max"]) == (0.25, 0.75)

@@ -8,15 +8,17 @@ import json
 
 import pytest
 
-from nano_miles.observe.run_record import RunRecord, StepRecord, StepStats, read_jsonl
+from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics, StepStats
+from nano_miles.observe.run_record import RunRecord, StepRecord, read_jsonl
 from nano_miles.run.config import load_config
 
 
 def stats(reward: float) -> StepStats:
-    return StepStats(reward=reward, format=1.0, accuracy=reward, pg_loss=-0.01, clip_fraction=0.0, grad_norm=0.5,
-                     parity=1e-7, staleness_min=0, staleness_max=0, staleness_mean=0.0, staleness_hist={"0": 8},
-                     version_oldest=0, num_samples=8, num_tokens=64, lr=1e-4, entropy=0.4, num_micro_batches=1,
-                     peak_memory_mb=300.0, train_tokens_per_s=5000.0, update_ms=3.0)
+    learned = LearnResult(pg_loss=-0.01, means=LossDiagnostics(clip_fraction=0.0, dual_clip_fraction=0.0, parity=1e-7,
+                                                               entropy=0.4),
+                          grad_norm=0.5, num_tokens=64, lr=1e-4, peak_memory_mb=300.0, train_tokens_per_s=5000.0)
+    return StepStats(reward=reward, format=1.0, accuracy=reward, learned=learned, staleness_hist={"0": 8},
+                     num_samples=8, update_ms=3.0)
 
 
 def record(step: int, reward: float, **extra) -> StepRecord:

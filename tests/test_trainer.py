@@ -111,16 +111,16 @@ def test_recomputed_old_logprobs_take_the_ratio_and_truncated_is_weights_correct
                 gaps.append(abs(o - e))
     assert sum(w >= TIS_CLIP for w in weights) >= 4 and sum(w < 1 for w in weights) >= 4
 
-    stats = take_step(trainer, groups)
-    assert stats.num_tokens == len(weights)
-    assert stats.is_weight_mean == pytest.approx(sum(weights) / len(weights), rel=1e-5)
-    assert stats.is_weight_max == pytest.approx(TIS_CLIP, rel=1e-6)
-    assert stats.is_weight_clipped == pytest.approx(sum(w >= TIS_CLIP for w in weights) / len(weights))
+    stats = take_step(trainer, groups).as_dict()
+    assert stats["num_tokens"] == len(weights)
+    assert stats["is_weight_mean"] == pytest.approx(sum(weights) / len(weights), rel=1e-5)
+    assert stats["is_weight_max"] == pytest.approx(TIS_CLIP, rel=1e-6)
+    assert stats["is_weight_clipped"] == pytest.approx(sum(w >= TIS_CLIP for w in weights) / len(weights))
     # ratio = pi_theta / pi_old(recomputed) = 1: nothing is clipped, the loss is -mean(w * A);
     # against the engine's logprobs the ratio would be e^0.8 on some tokens and clipped there
-    assert stats.clip_fraction == 0.0
-    assert stats.pg_loss == pytest.approx(-weighted_adv / len(weights), rel=1e-5)
-    assert stats.parity == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)  # still measured to the engine
+    assert stats["clip_fraction"] == 0.0
+    assert stats["pg_loss"] == pytest.approx(-weighted_adv / len(weights), rel=1e-5)
+    assert stats["parity"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)  # still measured to the engine
 
 
 def optimizer_state(trainer: Trainer) -> dict:
@@ -143,7 +143,7 @@ def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_t
     """Weights, optimizer and the learning-rate schedule all continue where the checkpoint left them."""
     batches = [scored_groups(policy_dir, 2 * n, [0.1, -0.2, 0.0]) for n in range(4)]
     trainer = make_trainer(*SCHEDULE)
-    lrs = [take_step(trainer, groups).lr for groups in batches[:2]]
+    lrs = [take_step(trainer, groups).learned.lr for groups in batches[:2]]
     assert lrs == pytest.approx([5e-4, 1e-3])  # warm-up
     save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.tokenizer, trainer.learner,
                     trainer.state)
@@ -158,8 +158,8 @@ def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_t
         assert torch.equal(p, q), name
 
     for groups, want_lr in zip(batches[2:], [1e-3, 1e-4 + 0.9e-3 * 0.5]):  # the cosine's first steps
-        assert take_step(trainer, groups).lr == pytest.approx(want_lr)
-        assert take_step(resumed, groups).lr == pytest.approx(want_lr)
+        assert take_step(trainer, groups).learned.lr == pytest.approx(want_lr)
+        assert take_step(resumed, groups).learned.lr == pytest.approx(want_lr)
     assert resumed.learner.scheduler.state_dict() == trainer.learner.scheduler.state_dict()
     assert resumed.state.cursor == trainer.state.cursor == 8 and resumed.state.version == 4
     assert_same_optimizer_state(optimizer_state(resumed), optimizer_state(trainer))

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nano_miles.algo.diagnostics import LossDiagnostics
+
 
 @dataclass
 class LossConfig:
@@ -25,11 +27,8 @@ class LossConfig:
 @dataclass
 class LossOutput:
     loss: torch.Tensor          # scalar to backpropagate (masked token mean of the pg loss)
-    clip_fraction: float        # share of response tokens where the clipped term was taken
-    dual_clip_fraction: float   # share of response tokens capped by the dual clip
-    parity: float               # mean |log pi_theta - log pi_engine| on response tokens
-    num_tokens: int
-    kl: float | None = None     # mean k3 estimate of KL(pi_theta || pi_ref) on response tokens, with ref_logp
+    num_tokens: int             # response tokens of the batch
+    means: LossDiagnostics      # what the loss measured, token means over the batch
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -52,7 +51,7 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
              engine_logp: torch.Tensor | None = None,
              is_weights: torch.Tensor | None = None,
              ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-             num_step_tokens: int | None = None) -> LossOutput:
+             num_step_tokens: int | None = None, entropy: torch.Tensor | None = None) -> LossOutput:
     """Dual-clip PPO over (B, T) token tensors; `mask` is True on response tokens.
 
     rho = exp(clamp(where(mask, logp, old) - old, -20, 20))
@@ -68,7 +67,8 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
 
     With `ref_logp` (the reference policy's logprobs) the k3 estimate of KL(pi_theta || pi_ref),
     exp(ref - logp) - (ref - logp) - 1 per token (unbiased, never negative), is reported and, times
-    `kl_coef`, added to the loss.
+    `kl_coef`, added to the loss. `entropy` (per token, from `grpo.token_scores`) is only averaged
+    into the diagnostics.
     """
     mask = mask.bool()
     zeros = torch.zeros_like(old_logp)
@@ -99,5 +99,7 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
         clip_frac = masked_mean((clipped > unclipped).float(), mask)
         dual_frac = masked_mean(is_dual.float(), mask)
         parity = masked_mean((torch.where(mask, logp, reference) - reference).abs(), mask)
-    return LossOutput(loss=loss, clip_fraction=float(clip_frac), dual_clip_fraction=float(dual_frac),
-                      parity=float(parity), num_tokens=int(mask.sum()), kl=kl)
+        mean_entropy = None if entropy is None else float(masked_mean(entropy.detach(), mask))
+    means = LossDiagnostics(clip_fraction=float(clip_frac), dual_clip_fraction=float(dual_frac),
+                            parity=float(parity), entropy=mean_entropy, kl=kl)
+    return LossOutput(loss=loss, num_tokens=int(mask.sum()), means=means)

@@ -20,6 +20,8 @@ from typing import Callable
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, Summary,
                                start_http_server)
 
+from nano_miles.algo.diagnostics import StepStats, declared
+
 log = logging.getLogger(__name__)
 
 HOP_ENGINE = "rollout_to_engine"
@@ -144,18 +146,9 @@ class TrainerMetrics(StageMetrics):
         self.update_seconds = Summary("nanomiles_weight_update_seconds", "Weight update time by part", ["part"],
                                       registry=r)
         self.trained_tokens = Counter("nanomiles_trained_tokens", "Response tokens trained on", registry=r)
-        self.train_rate = Gauge("nanomiles_train_tokens_per_second", "Prompt + response tokens through forward "
-                                "and backward per second, last step", registry=r)
-        self.lr = Gauge("nanomiles_learning_rate", "Learning rate of the last step", registry=r)
-        self.entropy = Gauge("nanomiles_entropy_mean", "Mean policy entropy per response token (nats), last step",
-                             registry=r)
-        self.kl = Gauge("nanomiles_kl_mean", "Mean k3 KL to the starting policy per response token, last step "
-                        "(trainer.kl_coef > 0)", registry=r)
-        self.micro_batches = Gauge("nanomiles_micro_batches", "Micro-batches of the last step", registry=r)
-        self.peak_memory = Gauge("nanomiles_peak_memory_bytes", "CUDA max allocated in the last step, or the "
-                                 "process's peak RSS on CPU", registry=r)
-        self.reward = Gauge("nanomiles_reward_mean", "Mean reward of the last step's batch", registry=r)
-        self.accuracy = Gauge("nanomiles_accuracy_ratio", "Share of correct samples in the last batch", registry=r)
+        # the step's diagnostics that name a gauge (nano_miles/algo/diagnostics.py): field -> (gauge, scale)
+        self.diagnostics = {f.name: (Gauge(f.metadata["prom"], f.metadata["help"], registry=r), f.metadata["scale"])
+                            for f in declared(StepStats) if f.metadata["prom"]}
         self.reward_parts = Gauge("nanomiles_reward_part_mean", "Mean of a reward part in the last batch "
                                   "(per function with reward.fns)", ["part"], registry=r)
         self.eval_accuracy = Gauge("nanomiles_eval_accuracy_ratio", "Last held-out greedy accuracy", registry=r)
@@ -178,19 +171,12 @@ class TrainerMetrics(StageMetrics):
         for part, ms in record.update_split_ms.items():
             self.update_seconds.labels(part).observe(ms / 1000)
         self.step_seconds.observe(record.step_s)
-        stats = record.stats
-        self.trained_tokens.inc(stats.num_tokens)
-        self.train_rate.set(stats.train_tokens_per_s)
-        self.lr.set(stats.lr)
-        self.entropy.set(stats.entropy)
-        if stats.kl is not None:
-            self.kl.set(stats.kl)
-        self.micro_batches.set(stats.num_micro_batches)
-        self.peak_memory.set(stats.peak_memory_mb * 2**20)
-        self.reward.set(record.stats.reward)
-        if record.stats.accuracy is not None:  # a reward function may have no accuracy part
-            self.accuracy.set(record.stats.accuracy)
-        for part, value in record.stats.reward_parts.items():
+        stats = record.stats.as_dict()
+        self.trained_tokens.inc(stats["num_tokens"])
+        for name, (gauge, scale) in self.diagnostics.items():
+            if stats[name] is not None:  # e.g. a reward function without an accuracy part
+                gauge.set(stats[name] * scale)
+        for part, value in stats["reward_parts"].items():
             self.reward_parts.labels(part).set(value)
         if record.evaluation is not None:
             if record.evaluation["accuracy"] is not None:

@@ -18,71 +18,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from nano_miles.algo.diagnostics import StepStats, declared, shown
 from nano_miles.observe.plots import write_plots
 from nano_miles.observe.queues import QueueRecorder
 from nano_miles.observe.sinks import make_sinks, scalars
 from nano_miles.run.identity import FINISHED_FILE
 from nano_miles.wire.codec import group_id_at, position_of
-
-
-@dataclass
-class StepStats:
-    reward: float
-    format: float | None      # share of samples with a well-formed answer (None: no such reward part)
-    accuracy: float | None    # share of samples with the right answer (None: no such reward part)
-    pg_loss: float
-    clip_fraction: float
-    grad_norm: float
-    parity: float             # mean |log pi_trainer - log pi_engine| on response tokens, before the step
-    staleness_min: int
-    staleness_max: int
-    staleness_mean: float
-    staleness_hist: dict          # staleness -> number of samples
-    version_oldest: int           # oldest weight version a trained token came from
-    num_samples: int
-    num_tokens: int           # response tokens trained
-    lr: float                 # the learning rate of this step
-    entropy: float            # mean policy entropy per response token (nats)
-    num_micro_batches: int
-    peak_memory_mb: float     # MiB; CUDA: max allocated in the step; CPU: the process's peak RSS
-    train_tokens_per_s: float  # prompt + response tokens through forward and backward per second
-    kl: float | None = None   # mean k3 KL to the starting policy per response token (trainer.kl_coef > 0)
-    update_ms: float = 0.0
-    is_weight_mean: float | None = None     # truncated IS weights (only with recomputed pi_old)
-    is_weight_max: float | None = None
-    is_weight_clipped: float | None = None
-    reward_parts: dict = field(default_factory=dict)  # mean of every other part (e.g. math/accuracy)
-
-    @classmethod
-    def from_groups(cls, groups, step: int, learned) -> "StepStats":
-        """The step's statistics from its groups and what the optimizer step did (`learner.LearnResult`)."""
-        rewards = np.concatenate([g.rewards for g in groups])
-        names = sorted({k for g in groups for k in g.reward_parts})
-        parts = {k: float(np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups]).mean())
-                 for k in names}
-        oldest = np.array([int(s.versions[0]) for g in groups for s in g.group.samples])
-        staleness = (step - 1) - oldest
-        values, counts = np.unique(staleness, return_counts=True)
-        return cls(reward=float(rewards.mean()), format=parts.pop("format", None),
-                   accuracy=parts.pop("accuracy", None), reward_parts=parts, pg_loss=learned.loss,
-                   clip_fraction=learned.clip_fraction, grad_norm=learned.grad_norm, parity=learned.parity,
-                   staleness_min=int(staleness.min()), staleness_max=int(staleness.max()),
-                   staleness_mean=float(staleness.mean()),
-                   staleness_hist={str(int(v)): int(c) for v, c in zip(values, counts)},
-                   version_oldest=int(oldest.min()),
-                   num_samples=len(rewards), num_tokens=learned.num_tokens, lr=learned.lr,
-                   entropy=learned.entropy, num_micro_batches=learned.num_micro_batches,
-                   peak_memory_mb=learned.peak_memory_mb, train_tokens_per_s=learned.train_tokens_per_s,
-                   kl=learned.kl, is_weight_mean=learned.is_weight_mean, is_weight_max=learned.is_weight_max,
-                   is_weight_clipped=learned.is_weight_clipped)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -144,16 +90,12 @@ def step_phases(record: StepRecord, received_times: list[tuple[float, float, flo
 
 
 def format_step_line(r: dict, num_steps: int) -> str:
-    shares = "".join(f"| {name} {100 * r[key]:5.1f}% " for key, name in (("format", "format"), ("accuracy", "acc"))
-                     if r.get(key) is not None)  # parts a reward function without them does not have
-    line = (f"step {r['step']:>4}/{num_steps} | reward {r['reward']:.3f} {shares}"
-            f"| pg {r['pg_loss']:+.4f} | clip {r['clip_fraction']:.3f} "
-            f"| gnorm {r['grad_norm']:.3f} | lr {r['lr']:.1e} | ent {r['entropy']:.3f} "
-            + (f"| kl {r['kl']:.4f} " if r.get("kl") is not None else "")
-            + (f"| micro-batches {r['num_micro_batches']} " if r.get("num_micro_batches", 1) > 1 else "")
-            + f"| parity {r['parity']:.1e} | update {r['update_ms']:.0f}ms "
-            f"| stale {r['staleness_max']} (v{r['version_oldest']} -> v{r['step'] - 1}) "
-            f"| queue {r.get('queue_depth', 0)} | step {r['step_s']:.2f}s")
+    """One step of metrics.jsonl as the trainer logs it: every diagnostic with a `line`, then where
+    its samples came from, the queue and the step time."""
+    texts = [shown(f, r.get(f.name)) for f in declared(StepStats)]
+    line = " | ".join([f"step {r['step']:>4}/{num_steps}", *(t for t in texts if t is not None),
+                       f"stale {r['staleness_max']} (v{r['version_oldest']} -> v{r['step'] - 1})",
+                       f"queue {r.get('queue_depth', 0)}", f"step {r['step_s']:.2f}s"])
     if r.get("eval_accuracy") is not None:
         line += f" | held-out {100 * r['eval_accuracy']:.1f}%"
     elif r.get("eval_reward") is not None:

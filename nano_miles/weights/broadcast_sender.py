@@ -43,7 +43,7 @@ def free_port() -> int:
 class BroadcastSender:
     """Trainer side: owns the weight group and pushes a model's tensors to every engine."""
 
-    path = "distributed"  # as the trainer's summary names the way weights went
+    transport = "distributed"  # as the trainer's summary names the way weights went
 
     def __init__(self, engines: list[EngineClient], *, backend: str = "gloo", master_address: str = "127.0.0.1",
                  master_port: int = 0, group_name: str = "weight_update_group", timeout_s: float = 120.0,

@@ -74,8 +74,9 @@ def serves_flat_loader(server_infos: list[dict]) -> bool:
 
 
 class TensorSender:
-    """The default transport (`engine.weight_transport = "tensor"`), for engines on the trainer's host.
-    One place picks the path, at the first push and again after `close()` (an engine restarted):
+    """`engine.weight_transport = "tensor"` (the default), for engines on the trainer's host. One place
+    picks which of three transports it takes, at the first push and again after `close()` (an engine
+    restarted):
 
     * "shared-memory": the model is on the CPU;
     * "flat": the model is on a GPU and every engine loads the flat buffer (SGLang as
@@ -87,9 +88,9 @@ class TensorSender:
     def __init__(self, engine, *, engine_dtype: str = "bfloat16"):  # the flat buffer's: the engine's dtype
         self.engine = engine
         self.flat = FlatSender(engine, dtype=getattr(torch, engine_dtype))  # its buffer outlives restarts
-        self.path: str | None = None
+        self.transport: str | None = None
 
-    def choose_path(self, model: torch.nn.Module) -> str:
+    def choose_transport(self, model: torch.nn.Module) -> str:
         if not next(model.parameters()).is_cuda:
             return "shared-memory"
         if serves_flat_loader(self.engine.on_all("server_info")):
@@ -99,21 +100,21 @@ class TensorSender:
         return "bucket"
 
     def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
-        if self.path is None:
-            self.path = self.choose_path(model)
-            log.info("weight updates take the %s path", self.path)
-        if self.path == "flat":
+        if self.transport is None:
+            self.transport = self.choose_transport(model)
+            log.info("weight updates go through the %s transport", self.transport)
+        if self.transport == "flat":
             return self.flat.push(model, version, flush_cache=flush_cache)
         return push_weights(self.engine, model, version, flush_cache=flush_cache)
 
     def close(self) -> None:
-        """Forget the path: a restarted engine may have been started differently."""
-        self.path = None
+        """Forget the transport: a restarted engine may have been started differently."""
+        self.transport = None
 
 
 def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int,
                        flush_cache: bool = True) -> dict[str, float]:
-    """CUDA-IPC path through SGLang's serializer (GPU only; needs `sglang` importable).
+    """The bucket transport: CUDA IPC through SGLang's serializer (GPU only; needs `sglang` importable).
 
     One fresh `FlattenedTensorBucket` per bucket: the server answers once the copies out of it are
     enqueued, so a buffer that was sent is never written again; its handle is dropped only after the

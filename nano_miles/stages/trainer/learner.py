@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics
 from nano_miles.algo.grpo import assemble_batch, micro_batches, token_scores
 from nano_miles.algo.loss import LossConfig, ppo_loss, truncated_is_weights
 
@@ -42,32 +43,13 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, num_steps: int, min_r
 
 
 @dataclass
-class Sample:
+class TrainSample:
+    """One sample as the learner trains it (from a `wire.data.Sample` and its group's prompt and advantage)."""
+
     prompt: object      # token ids, as the engine saw them
     response: object    # token ids, as the engine produced them
     logprobs: object    # the engine's log-probs of the response tokens
     advantage: float
-
-
-@dataclass
-class LearnResult:
-    """What one optimizer step did: the loss's diagnostics (token means over the step) and its costs."""
-
-    loss: float
-    clip_fraction: float
-    dual_clip_fraction: float
-    parity: float
-    num_tokens: int                # response tokens trained
-    grad_norm: float
-    lr: float                      # the learning rate this step used
-    entropy: float                 # mean entropy of the policy per response token (nats)
-    kl: float | None               # mean k3 KL to the reference policy per response token (kl_coef > 0)
-    num_micro_batches: int
-    peak_memory_mb: float          # MiB; CUDA: max allocated during the step; CPU: the process's peak RSS
-    train_tokens_per_s: float      # prompt + response tokens through forward and backward, per second
-    is_weight_mean: float | None = None   # truncated IS weights (recomputed pi_old only)
-    is_weight_max: float | None = None
-    is_weight_clipped: float | None = None
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -109,7 +91,7 @@ class Learner:
         self.scheduler.load_state_dict(saved["lr_schedule"])
 
     # ------------------------------------------------------------------ the step
-    def step(self, samples: list[Sample]) -> LearnResult:
+    def step(self, samples: list[TrainSample]) -> LearnResult:
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -119,9 +101,7 @@ class Learner:
         num_step_tokens = sum(b.num_tokens for b in parts)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
-        token_sums = dict.fromkeys(("clip", "dual", "parity", "entropy", "kl"), 0.0)  # -> token means
-        is_weights = []
+        loss, measured, is_weights = 0.0, [], []
         for batch in parts:
             old_logp, weights, ref_logp = batch.old_logprobs, None, None
             with torch.no_grad(), self.autocast():
@@ -136,25 +116,18 @@ class Learner:
                                              self.temperature, positions=batch.loss_mask, with_entropy=True)
                 out = ppo_loss(logp, old_logp, batch.advantages, batch.loss_mask, self.loss_cfg,
                                engine_logp=batch.old_logprobs, is_weights=weights, ref_logp=ref_logp,
-                               kl_coef=self.cfg.kl_coef, num_step_tokens=num_step_tokens)
+                               kl_coef=self.cfg.kl_coef, num_step_tokens=num_step_tokens, entropy=entropy)
             out.loss.backward()  # divided by the step's token count: the micro-batches' gradients add up
             loss += float(out.loss.detach())
-            means = {"clip": out.clip_fraction, "dual": out.dual_clip_fraction, "parity": out.parity,
-                     "entropy": float(entropy[batch.loss_mask].mean()) if out.num_tokens else 0.0,
-                     "kl": out.kl or 0.0}
-            for key, value in means.items():
-                token_sums[key] += value * out.num_tokens
+            measured.append((out.means, out.num_tokens))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         elapsed = time.perf_counter() - started
-        mean = {key: value / max(1, num_step_tokens) for key, value in token_sums.items()}
         result = LearnResult(
-            loss=loss, clip_fraction=mean["clip"], dual_clip_fraction=mean["dual"], parity=mean["parity"],
-            num_tokens=num_step_tokens, grad_norm=float(grad_norm), lr=lr, entropy=mean["entropy"],
-            kl=mean["kl"] if self.reference is not None else None, num_micro_batches=len(parts),
-            peak_memory_mb=peak_memory_mb(self.device),
+            pg_loss=loss, means=LossDiagnostics.token_mean(measured), num_tokens=num_step_tokens,
+            grad_norm=float(grad_norm), lr=lr, num_micro_batches=len(parts), peak_memory_mb=peak_memory_mb(self.device),
             train_tokens_per_s=sum(int(b.attention_mask.sum()) for b in parts) / elapsed)
         if is_weights:
             w = torch.cat(is_weights)
@@ -162,7 +135,7 @@ class Learner:
             result.is_weight_clipped = float((w >= self.cfg.tis_clip - 1e-6).float().mean())
         return result
 
-    def assemble(self, samples: list[Sample]):
+    def assemble(self, samples: list[TrainSample]):
         return assemble_batch([s.prompt for s in samples], [s.response for s in samples],
                               [s.logprobs for s in samples], [s.advantage for s in samples],
                               self.pad_id).to(self.device)

@@ -23,15 +23,16 @@ import torch
 import zmq
 
 from nano_miles.algo import admission
+from nano_miles.algo.diagnostics import StepStats
 from nano_miles.algo.grpo import token_logprobs
 from nano_miles.observe.metrics import TrainerMetrics
-from nano_miles.observe.run_record import (RunRecord, StepRecord, StepStats, format_step_line, ledger_report,
-                                           step_phases, summarize)
+from nano_miles.observe.run_record import (RunRecord, StepRecord, format_step_line, ledger_report, step_phases,
+                                           summarize)
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.run.identity import ensure_run_identity, write_run_identity
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
-from nano_miles.stages.trainer.learner import Learner, Sample
+from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.tasks.prompts import make_decoder
 from nano_miles.wire.codec import WireError, position_of
@@ -166,7 +167,7 @@ class Trainer:
                        engine_final_version=self.peers.with_engine(
                            "final check", lambda: self.peers.engine.model_info()["weight_version"]),
                        final_parity=self.final_parity(),
-                       weight_path=self.peers.sender.path,
+                       weight_transport=self.peers.sender.transport,
                        engine_repushes=self.peers.num_engine_repushes,
                        producer_restores=self.peers.num_producer_restores,
                        trainer_idle_fraction=sum(r["wait_s"] for r in steps) / wall_s,
@@ -255,7 +256,7 @@ class Trainer:
             self.count_drop(reason, group_id)
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
-        samples = [Sample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(adv))
+        samples = [TrainSample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(adv))
                    for sg in groups for sample, adv in zip(sg.group.samples, sg.advantages)]
         result = self.learner.step(samples)
         ids = [sg.group.group_id for sg in groups]
