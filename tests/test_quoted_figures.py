@@ -462,7 +462,7 @@ CLAIMS = [
     C(GPU, "- Medians of {} rounds;", F(WS_GPU, "repeats")),
     *(update_row(p) for p in ("bucket-1", "bucket-512MiB", "flat", "one-tensor", "disk")),
     C(GPU, "p50 {} ms against a target of {} ms. That is {}× faster than SGLang's stock `FlattenedTensorBucket` "
-           "path and {}× faster than disk.", F(WS_GPU, *FLAT, "total_ms", fmt=num(2)),
+           "transport and {}× faster than disk.", F(WS_GPU, *FLAT, "total_ms", fmt=num(2)),
       F(WS_GPU, "target_p50_ms", fmt=num(0)),
       F(WS_GPU, "paths", lambda p: p["bucket-1"]["total_ms"] / p["flat"]["total_ms"], fmt=num(1)),
       F(WS_GPU, "paths", lambda p: p["disk"]["total_ms"] / p["flat"]["total_ms"], fmt=num(0))),
