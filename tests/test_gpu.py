@@ -80,6 +80,13 @@ def engine_scores(client, prompts, responses) -> list[list[float]]:
     return [client.score(p, r) for p, r in zip(prompts, responses)]
 
 
+def decode_gap(client, prompts, model_bf16) -> float:
+    """Mean |log p| gap between freshly sampled rollout logprobs and the trainer's: the engine decodes
+    in its captured CUDA graphs, so this checks that the graphs run the weights last pushed."""
+    samples = sample(client, prompts, 16)
+    return mean_abs_gap([s[1] for s in samples], trainer_logprobs(model_bf16, prompts, [s[0] for s in samples]))
+
+
 def greedy(client, prompts) -> list[list[int]]:
     outs = client.generate(prompts, {"max_new_tokens": 16, "temperature": 0.0}, return_logprob=False)
     return [o["output_ids"] for o in outs]
@@ -140,10 +147,13 @@ def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, pol
     assert client.model_info()["weight_version"] == "1"
     assert greedy(client, probe) != reference_greedy, "new weights must change the engine's outputs"
     after_bucket = engine_scores(client, probe, responses)
-    gap = mean_abs_gap(after_bucket, trainer_logprobs(copy.deepcopy(model).to(torch.bfloat16),
-                                                      probe, responses))
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    gap = mean_abs_gap(after_bucket, trainer_logprobs(model_bf16, probe, responses))
     report("parity_prefill_bf16_after_update_mean_abs", gap)
     assert gap <= MAX_PARITY_BF16
+    gap = decode_gap(client, probe, model_bf16)
+    report("parity_decode_bf16_after_update_mean_abs", gap)
+    assert gap <= 2 * MAX_PARITY_BF16
 
     pusher = FlatSender(client)  # the same weights through the flat path: same engine state
     client.pause("abort")
@@ -152,6 +162,9 @@ def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, pol
     assert client.model_info()["weight_version"] == "2"
     after_flat = engine_scores(client, probe, responses)
     assert mean_abs_gap(after_flat, after_bucket) < 1e-3  # a misplaced tensor moves it by >> 0.01
+    gap = decode_gap(client, probe, model_bf16)
+    report("parity_decode_bf16_after_flat_update_mean_abs", gap)
+    assert gap <= 2 * MAX_PARITY_BF16
 
     with torch.no_grad():  # back to the original weights through the flat path (mapping reused)
         for n, p in model.named_parameters():
