@@ -5,8 +5,8 @@ Run: python bench/learning.py [--variants shipped,habit_free,control] [--seeds 0
                                [--jobs N] [--keep-runs DIR] [--section.key=value ...]
 On a GPU (the large policy and its habit-free build, bench/results/gpu/README.md says how):
      python bench/learning.py --config configs/gpu_large.toml --habit-free runs/policy-large-habit-free
-         --out bench/results/gpu --name learning_large --jobs 4 --keep-runs runs/learning-large
-         --trainer.num_steps=100
+         --out bench/results/gpu --name learning_large --jobs 7 --keep-runs runs/learning-large
+         --trainer.num_steps=60 --engine.mem_fraction_static=0.08
 
 The shipped small policy was built with a habit (nano_miles/assets/policy/README.md): in 60 % of its
 warm-up answers the tag held the first step's result, `7*4=28, 28+12=40 <answer>28</answer>`. RL

@@ -27,7 +27,7 @@ LINE_TOLERANCE = 0.03  # relative; "about N lines" may lag the tree by this much
 @dataclass(frozen=True)
 class Fig:
     """One figure: `file` under bench/results/, `path` into it, `fmt` to the doc's text. A path step is
-    a key, a list index, {field: value} (the list element with that field) or a function."""
+    a key, a list index, {field: value, ...} (the list element with those fields) or a function."""
 
     file: str
     path: tuple
@@ -184,7 +184,7 @@ def suite_seconds(summary: str) -> float:
 
 
 VS_TRL, WORD_GPU = "gpu/vs_trl.json", "gpu/learning_word_problems.json"
-LARGE_HABIT = "gpu/learning_large_partial.json"
+LARGE_HABIT = "gpu/learning_large.json"
 GRAPHS, GRAPHS_PI = "gpu/vs_trl_large_cuda_graphs.json", "gpu/vs_trl_large_cuda_graphs_trl_pi_old.json"
 RUN_LABELS = {"sync": "nano-miles sync", "async": "nano-miles async S=2", "trl": "TRL"}
 
@@ -288,16 +288,33 @@ CLAIMS = [
     C("nano_miles/assets/policy/README.md", "over seeds 0-2, +{} points (mean of the last three evaluations minus "
       "the start) against +{} for the same build without the habit",
       *(F("learning.json", "means", v, "gain", fmt=lambda g: f"{100 * g:.1f}") for v in ("shipped", "habit_free"))),
-    C(GPU, "| habit-free, seeds 0 / 1 / 2 | {} % | {} / {} / {} % | {} / {} / {} % | 0 % |",
-      F(LARGE_HABIT, "runs", 3, "start", fmt=pct(1)),
-      *(F(LARGE_HABIT, "runs", i, "late_mean", fmt=pct(1)) for i in (3, 4, 5)),
-      *(F(LARGE_HABIT, "runs", i, "end", fmt=pct(1)) for i in (3, 4, 5))),
-    C(GPU, "| shipped, seeds 0 / 1 / 2 | {} % | not returned | {} / {} / {} % |",
-      F(LARGE_HABIT, "runs", 0, "start", fmt=pct(1)), *(F(LARGE_HABIT, "runs", i, "end", fmt=pct(1)) for i in range(3))),
-    C(GPU, "| control (lr 0), seed 0 | {} % | {} % | {} % | {} % ({} % at the end) |",
-      F(LARGE_HABIT, "runs", 6, "start", fmt=pct(1)), F(LARGE_HABIT, "runs", 6, "late_mean", fmt=pct(1)),
-      F(LARGE_HABIT, "runs", 6, "end", fmt=pct(1)), F(LARGE_HABIT, "runs", 6, "evals", 0, "first_step", fmt=pct(1)),
-      F(LARGE_HABIT, "runs", 6, "evals", -1, "first_step", fmt=pct(1))),
+    *(C(GPU, f"| {label} | {seed} | {{}} % | {{}} % | {{}} points | {{}} % → {{}} % |",
+        *(F(LARGE_HABIT, "runs", {"variant": variant, "seed": seed}, "figures", key, fmt=fmt)
+          for key, fmt in (("start", pct(1)), ("late_mean", pct(1)), ("gain", lambda v: f"{100 * v:+.1f}"),
+                           ("first_step_start", first_step_pct), ("first_step_late", first_step_pct))))
+      for label, variant, seeds in (("shipped", "shipped", (0, 1, 2)), ("habit-free", "habit_free", (0, 1, 2)),
+                                    ("control (lr 0)", "control", (0,))) for seed in seeds),
+    *(C(README, f"| {label} | {{}} % | {{}} % | {{}} points | {{}} % → {{}} % |",
+        *(F(LARGE_HABIT, "means", variant, key, fmt=fmt)
+          for key, fmt in (("start", pct(1)), ("late_mean", pct(1)), ("gain", lambda v: f"{100 * v:+.1f}"),
+                           ("first_step_start", first_step_pct), ("first_step_late", first_step_pct))))
+      for label, variant in (("shipped recipe", "shipped"), ("habit-free (`--first-step-answer-rate 0`)", "habit_free"),
+                             ("control (lr 0, seed 0)", "control"))),
+    C(GPU, "The shipped build gains +{} points on average, its twin +{}: about {} points are the habit, whose "
+           "tags fall from {} % to {} %",
+      F(LARGE_HABIT, "means", "shipped", "gain", fmt=pct(1)), F(LARGE_HABIT, "means", "habit_free", "gain", fmt=pct(1)),
+      F(LARGE_HABIT, "means", lambda m: m["shipped"]["gain"] - m["habit_free"]["gain"], fmt=pct(0)),
+      F(LARGE_HABIT, "means", "shipped", "first_step_start", fmt=pct(0)),
+      F(LARGE_HABIT, "means", "shipped", "first_step_late", fmt=pct(0))),
+    C(GPU, "the rollout log-probs (decoded in the graphs) differ from the trainer's bf16 ones by {} (mean |Δ log p|), "
+           "after the same weights through the flat transport by {}",
+      F("gpu/gpu_tests_graphs.json", "parity_decode_bf16_after_update_mean_abs", fmt=num(4)),
+      F("gpu/gpu_tests_graphs.json", "parity_decode_bf16_after_flat_update_mean_abs", fmt=num(4))),
+    C(GPU, "The 60-step pipeline run went from {} % to {} % held-out, every prompt trained once, median in-loop "
+           "flat update {} ms.",
+      F("gpu/gpu_tests_graphs.json", "pipeline_summary", "eval_accuracy_start", fmt=pct_short),
+      F("gpu/gpu_tests_graphs.json", "pipeline_summary", "eval_accuracy_max", fmt=pct_short),
+      F("gpu/gpu_tests_graphs.json", "pipeline_update_ms_median", fmt=num(2))),
     C(README, "the rest, about +{} points, is what the same recipe gains without it",
       F("learning.json", "means", "habit_free", "gain", fmt=lambda v: f"{100 * v:.0f}")),
     C(README, "On 2 cores its {} steps take about {} minutes and lift held-out accuracy on the {} test problems "
@@ -523,8 +540,7 @@ def resolve(fig: Fig):
         if callable(step):
             value = step(value)
         elif isinstance(step, dict):
-            (field, wanted), = step.items()
-            value = next(item for item in value if item[field] == wanted)
+            value = next(item for item in value if all(item[k] == wanted for k, wanted in step.items()))
         else:
             value = value[step]
     return value
