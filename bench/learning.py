@@ -199,15 +199,17 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     where = "2 CPU cores" if args.config is None else Path(args.config).name
-    name, title = "learning", f"sync GRPO, small policy, {where}"
     if args.word_problems:
         argv = ([] if args.config else WORD_PROBLEMS) + argv
-        name, title = "learning_word_problems", f"sync GRPO, word problems (JSONL, chat template), {where}"
     try:
         cfg = load_config(overrides=argv)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    policy = Path(cfg.model.path).name or "small policy"  # e.g. policy-large; empty: the shipped one
+    name, title = "learning", f"sync GRPO, {policy}, {where}"
+    if args.word_problems:
+        name, title = "learning_word_problems", f"sync GRPO, word problems (JSONL, chat template), {where}"
     name = args.name or name
     plan = [(v, s) for v in args.variants for s in (args.seeds[:1] if v == "control" else args.seeds)]
     with tempfile.TemporaryDirectory() as tmp:
