@@ -24,11 +24,10 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
-# Keeps the previous run (moved to runs/<time>), then runs the pipeline in the foreground.
+# Keeps the previous run (moved to runs/<time>; refused while it is live), then runs the pipeline in
+# the foreground; the report's status is the run's (supervisord itself always exits 0).
 run: setup
-	@if [ -n "$$(ls -A runs/current 2>/dev/null | grep -v '^.gitkeep$$')" ]; then \
-		mv runs/current runs/$$(date +%Y%m%d-%H%M%S); fi
-	@mkdir -p runs/current && touch runs/current/.gitkeep
+	@$(PY) -m nano_miles.run.fresh runs/current
 	$(VENV)/bin/supervisord -c supervisord.conf
 	@$(PY) -m nano_miles.observe.report runs/current
 

@@ -5,6 +5,7 @@ Used by the pipeline tests and the bench scripts: `SupervisedRun(run_dir, overri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from pathlib import Path
 from harness.servers import REPO_ROOT as REPO
 from harness.servers import free_port, free_ports_in_a_row
 from nano_miles.run.config import MAX_REPLICAS
+from nano_miles.run.process import processes_of_run
 from nano_miles.observe.run_record import read_jsonl
 
 
@@ -130,12 +132,15 @@ class SupervisedRun:
         return json.loads((self.run_dir / "summary.json").read_text())
 
     def stop(self) -> None:
-        """Tear down supervisord and every stage it started, whatever state they are in."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """Tear down supervisord and every stage it started, whatever state they are in (also a stage
+        that outlived a supervisord killed by the test)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for pid in processes_of_run(self.run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -16,8 +16,9 @@ def main(argv: list[str]) -> int:
     from pathlib import Path
 
     import nano_miles
-    from nano_miles.engine.launch import engine_command, engine_env, router_command
+    from nano_miles.engine.launch import engine_command, engine_env, refuse_a_held_port, router_command
     from nano_miles.run.config import parse_config
+    from nano_miles.run.process import die_with_parent
 
     parser = ArgumentParser(prog="python procs/engine.py", description=__doc__)
     slot = parser.add_mutually_exclusive_group()
@@ -38,7 +39,10 @@ def main(argv: list[str]) -> int:
     if args.print:
         print(" ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]))
         return 0
+    port = cfg.engine.router_port if args.router else cfg.engine.port + args.replica
+    refuse_a_held_port(cfg.engine.host, port, cfg.run_dir)
     os.environ.update(env)
+    die_with_parent()  # kept across exec: the server dies with supervisord, never left on its port
     # the server (and SGLang's scheduler processes, which import the flat loader) find this nano_miles
     import_root = str(Path(nano_miles.__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (import_root, os.environ.get("PYTHONPATH", "")) if p)

@@ -7,6 +7,10 @@ from nano_miles.run.cli import ArgumentParser, run
 
 
 def main(argv: list[str]) -> int:
+    import signal
+
+    from nano_miles.run.process import die_with_parent
+    die_with_parent(signal.SIGKILL)  # first, and at once: it holds nothing durable to finish
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/reward.py", description=__doc__))
     from nano_miles.rewards import load_reward

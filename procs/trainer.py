@@ -8,6 +8,8 @@ from nano_miles.run.cli import ArgumentParser, UserError, run
 
 
 def main(argv: list[str]) -> int:
+    from nano_miles.run.process import die_with_parent
+    die_with_parent()  # first: a supervisord killed while this process starts leaves no orphan
     from nano_miles.run.config import parse_config
     cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/trainer.py", description=__doc__))
     from nano_miles.rewards import load_reward
@@ -53,4 +55,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    run(main, "trainer")
+    run(main, "trainer", is_log_copied=True)  # its stderr goes to the terminal: trainer.log gets the line too

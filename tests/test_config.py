@@ -233,3 +233,12 @@ def test_the_built_in_defaults_are_configs_default_toml(tmp_path, monkeypatch):
     assert elsewhere.to_dict() == in_checkout
     assert elsewhere.run_dir == tmp_path / "runs" / "current"
     assert (elsewhere.model_dir / "config.json").is_file() and "nano_miles" in elsewhere.model_dir.parts
+
+
+def test_the_hang_timeout_outlasts_the_trainers_control_tries():
+    """The trainer's loop does not beat while a control call retries: a hang timeout within that
+    restarted the trainer when the producer hung, instead of the producer."""
+    with pytest.raises(ConfigError, match=r"run.hang_timeout_s must be 0 \(off\) or above .* = 30 s, not 8"):
+        load_config(overrides=["--run.hang_timeout_s=8"])  # default control: 5 s x 6 tries
+    load_config(overrides=["--run.hang_timeout_s=8", "--trainer.control_timeout_s=2", "--trainer.control_retries=3"])
+    load_config(overrides=["--run.hang_timeout_s=0"])

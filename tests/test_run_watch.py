@@ -4,6 +4,7 @@ Run: `pytest tests/test_run_watch.py`. The hang restart itself runs under the re
 tests/test_hardening.py; here the decisions are driven event by event.
 """
 
+import json
 import xmlrpc.client
 
 from nano_miles.run.watch import CRASH_WINDOW_S, MAX_QUICK_CRASHES, RunWatch, parse_payload
@@ -57,7 +58,7 @@ def test_ticks_while_supervisord_shuts_down_do_not_end_the_listener(tmp_path):
 
 
 class Exited:
-    """supervisord's XML-RPC interface after the trainer exited with `status`."""
+    """supervisord's XML-RPC interface after a program exited with `status`."""
 
     def __init__(self, status: int):
         self.status = status
@@ -66,8 +67,95 @@ class Exited:
         return {"name": name, "statename": "EXITED", "exitstatus": self.status}
 
 
-def test_a_trainer_that_refused_to_start_ends_the_run_as_refused_not_done(tmp_path):
-    exited = "processname:trainer groupname:nanomiles from_state:RUNNING expected:1 pid:3"
-    assert event(RunWatch(tmp_path, 0, supervisor=Exited(0)), "PROCESS_STATE_EXITED", exited, 1.0) == "done"
-    reason = event(RunWatch(tmp_path, 0, supervisor=Exited(2)), "PROCESS_STATE_EXITED", exited, 1.0)
-    assert reason.startswith("refused: the trainer would not start (exit 2)") and "trainer.log" in reason
+TRAINER_EXITED = "processname:trainer groupname:nanomiles from_state:RUNNING expected:1 pid:3"
+
+
+def test_the_trainer_done_ends_the_run_as_done(tmp_path):
+    assert event(RunWatch(tmp_path, 0, supervisor=Exited(0)), "PROCESS_STATE_EXITED", TRAINER_EXITED, 1.0) == "done"
+
+
+def test_any_program_that_exits_2_ends_the_run_quoting_its_last_line(tmp_path):
+    """A config mistake: every stage exits 2 with the same one line; the first one ends the run (it
+    was restarted forever before, and FAILED, if any, said only "see X.log")."""
+    line = "rollout: unknown key(s) in [trainer]: nonexistent_key (known: num_steps, ...)"
+    (tmp_path / "rollout.log").write_text("a line before\n" + line + "\n\n")
+    reason = event(RunWatch(tmp_path, 0, supervisor=Exited(2)), "PROCESS_STATE_EXITED",
+                   "processname:rollout groupname:nanomiles expected:1 pid:4", 1.0)
+    assert reason == f"failed: rollout stopped the run (exit 2); rollout.log: {line}"
+    reason = event(RunWatch(tmp_path, 0, supervisor=Exited(2)), "PROCESS_STATE_EXITED", TRAINER_EXITED, 1.0)
+    assert reason == "failed: trainer stopped the run (exit 2); trainer.log: no trainer.log in the run directory"
+
+
+def test_a_trainer_refusing_a_finished_run_ends_it_as_refused(tmp_path):
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "trainer.log").write_text("trainer: ... holds the finished run abc: move it aside\n")
+    reason = event(RunWatch(tmp_path, 0, supervisor=Exited(2)), "PROCESS_STATE_EXITED", TRAINER_EXITED, 1.0)
+    assert reason == "refused: trainer.log: trainer: ... holds the finished run abc: move it aside"
+
+
+def test_a_crash_loop_quotes_the_crash(tmp_path):
+    (tmp_path / "trainer.log").write_text("Traceback (most recent call last):\n  ...\n"
+                                          "OSError: [Errno 28] No space left on device\n")
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    for i in range(MAX_QUICK_CRASHES):
+        event(watch, "PROCESS_STATE_STARTING", "processname:trainer", 10.0 * i)
+        reason = event(watch, "PROCESS_STATE_EXITED", "processname:trainer expected:0 pid:7", 10.0 * i + 1)
+    assert reason.endswith("trainer.log: OSError: [Errno 28] No space left on device"), reason
+
+
+def test_a_new_attempt_clears_an_earlier_failure(tmp_path):
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    watch.end("failed: trainer exited 5 times in a row within 30s of starting; trainer.log: OSError: ...")
+    assert (tmp_path / "FAILED").is_file()
+    RunWatch(tmp_path, hang_timeout_s=0).clear_earlier_failure(2.0)
+    assert not (tmp_path / "FAILED").exists()
+    kept = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert kept == [{"time": 2.0, "event": "earlier_failure",
+                     "reason": "failed: trainer exited 5 times in a row within 30s of starting; trainer.log: OSError: ..."}]
+    watch.end("refused: trainer.log: ...")  # a refusal leaves the directory as it is
+    assert not (tmp_path / "FAILED").exists()
+
+
+class Running:
+    """supervisord's XML-RPC interface with every program running (pids fixed per name), recording kills."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids, self.killed = pids, []
+
+    def getProcessInfo(self, name):
+        return {"name": name, "statename": "RUNNING", "pid": self.pids[name.split(":")[1]]}
+
+    def signalProcess(self, name, signal):
+        self.killed.append((name, signal))
+
+
+def test_a_silent_engine_is_restarted_not_the_stages_waiting_for_it(tmp_path):
+    """A stopped engine: the stages' calls to it block, so their loops stop beating too. Before, the
+    trainer was killed (and rolled back) and the engine never restarted."""
+    from nano_miles.run import liveness
+
+    supervisor = Running({"engine": 11, "rollout": 12, "reward": 13, "trainer": 14})
+    answering = {"http://e:1": True}
+    watch = RunWatch(tmp_path, hang_timeout_s=10, supervisor=supervisor, engines={"engine": "http://e:1"},
+                     is_answering=lambda url: answering[url])
+    for stage, pid in (("rollout", 12), ("reward", 13), ("trainer", 14)):  # every stage beat at t=0
+        path = liveness.heartbeat_path(tmp_path, stage)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"pid": pid, "time": 0.0, "waiting_for": "the engine"}))
+    event(watch, "TICK_5", "when:0", 0.0)       # the engine answers
+    answering["http://e:1"] = False             # ... then stops
+    for now in (5.0, 10.0):
+        event(watch, "TICK_5", "", now)
+    assert supervisor.killed == []              # silent for 10 s: not more than the timeout yet
+    event(watch, "TICK_5", "", 15.0)
+    assert supervisor.killed == [("nanomiles:engine", "KILL")]
+    restart = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["stage"], e["silent_s"]) for e in restart] == [("engine", 15.0)]
+    # the restarted engine (a new pid) is judged again only once it has answered
+    supervisor.pids["engine"] = 21
+    event(watch, "TICK_5", "", 40.0)
+    assert supervisor.killed == [("nanomiles:engine", "KILL")]
+    answering["http://e:1"] = True              # it answers: now the silent stages are judged
+    event(watch, "TICK_5", "", 45.0)
+    assert sorted(name for name, _ in supervisor.killed[1:]) == ["nanomiles:reward", "nanomiles:rollout",
+                                                                 "nanomiles:trainer"]

@@ -6,11 +6,16 @@ Library module of `procs/engine.py`, which execs one of these in each slot of su
 
 from __future__ import annotations
 
+import errno
 import shlex
+import socket
 import sys
+from pathlib import Path
 
 from nano_miles.engine.client import keeps_requests
+from nano_miles.run.cli import UserError
 from nano_miles.run.config import Config
+from nano_miles.run.process import processes_of_run
 
 # SGLang's scheduler imports the flat-path loader by this dotted name (a string here, so that the
 # launcher imports no torch before it execs the server)
@@ -73,3 +78,24 @@ def router_command(cfg: Config) -> list[str]:
             # one and, after this long, tries the restarted replica again (default: a minute).
             "--cb-timeout-duration-secs", "3", "--health-check-interval-secs", "1",
             "--log-level", "warn"]  # info logs two lines per request
+
+
+def refuse_a_held_port(host: str, port: int, run_dir: Path) -> None:
+    """A UserError (one line) if `port` on `host` cannot be listened on, naming the process that
+    holds it when that is one started for this run directory: an engine left running by an earlier
+    supervisord of this run that was itself killed. Without the check the new engine would crash
+    in a loop on "Address already in use" while the stages talk to the old one."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is fine
+        try:
+            probe.bind((host, port))
+            return
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    pid = next((pid for pid, argv in processes_of_run(run_dir).items() if str(port) in argv), None)
+    if pid is not None:
+        raise UserError(f"port {port} is held by pid {pid}, an engine an earlier start of {run_dir} left "
+                        f"running (was its supervisord killed?): stop it (kill {pid}) and start again")
+    raise UserError(f"port {port} on {host} is in use by another program: stop it or choose another "
+                    "engine.port (engine.router_port for the router)")

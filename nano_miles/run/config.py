@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
-from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
+from nano_miles.run.rules import (ANY_TEXT, ConfigError, Section, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
                                   NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
                                   URL_OR_EMPTY, URLS, above, at_least, between, checked, one_of)
 from nano_miles.wire.control import PAUSE_MODES
@@ -34,31 +34,11 @@ DEFAULT_CONFIG = Path("configs") / "default.toml"
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parents[1] / "assets" / "policy"  # the shipped small policy
 
 
-class ConfigError(UserError):
-    """A config file or override that cannot be used; the message names the key."""
-
-
 DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
 TRAIN_DTYPES = ("float32", "bfloat16")  # the trainer's compute dtype; weights stay fp32 either way
 LR_SCHEDULES = ("constant", "cosine")
 MAX_REPLICAS = 4  # engine slots in supervisord.conf (engine + [program:replica] numprocs); unused slots exit
-
-
-class Section:
-    """A config section checks every field against its rule (`rules.py`) when it is built, so a value
-    a stage would trip over stops the process at its start; the error names `section.key` (the section
-    is the class name without 'Config'), the value and what is allowed."""
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            rule, value = f.metadata["rule"], getattr(self, f.name)
-            if not rule.accepts(value):
-                self.refuse(f.name, rule.allowed, value)
-
-    def refuse(self, key: str, allowed: str, value):
-        section = type(self).__name__.removesuffix("Config").lower()
-        raise ConfigError(f"{section}.{key} must be {allowed}, not {value!r}")
 
 
 @dataclass
@@ -247,6 +227,14 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
+    def __post_init__(self):  # rules between sections
+        # The trainer's loop does not beat while a control call retries: a hang timeout within that
+        # would restart the trainer when the producer hangs (silent itself, the one to restart).
+        blocked_s = self.trainer.control_timeout_s * self.trainer.control_retries
+        if 0 < self.run.hang_timeout_s <= blocked_s:
+            raise ConfigError(f"run.hang_timeout_s must be 0 (off) or above trainer.control_timeout_s x "
+                              f"trainer.control_retries = {blocked_s:g} s, not {self.run.hang_timeout_s:g}")
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir).absolute()
@@ -334,8 +322,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{path}: {e}") from None
     raw: dict[str, dict] = {}
     _apply(raw, file_table, str(path))
-    _apply(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
-           "$NANOMILES_OVERRIDES")
+    try:
+        env_overrides = shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))
+    except ValueError as e:  # an unbalanced quote
+        raise ConfigError(f"$NANOMILES_OVERRIDES does not split into words: {e}") from None
+    _apply(raw, parse_overrides(env_overrides), "$NANOMILES_OVERRIDES")
     _apply(raw, parse_overrides(overrides or []), "command line")
     built = {}
     for f in dataclasses.fields(Config):

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
@@ -18,9 +19,27 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to signal this process when its parent (supervisord) dies: no orphans."""
+    """Ask Linux to signal this process when its parent (supervisord) dies: no orphans. Each entry
+    point calls it first; it holds across exec (the engine slot execs its server)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def processes_of_run(run_dir: Path) -> dict[int, list[str]]:
+    """pid -> argv of every other process started for `run_dir` (supervisord.conf puts
+    NANOMILES_RUN_DIR in every program's environment, and their children inherit it); empty without /proc."""
+    marker, found = f"NANOMILES_RUN_DIR={run_dir}".encode(), {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        if int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        if marker in environ:
+            found[int(proc.name)] = argv
+    return found
 
 
 def setup_process(name: str, cfg: Config, *, num_threads: int | None = None,
@@ -34,7 +53,6 @@ def setup_process(name: str, cfg: Config, *, num_threads: int | None = None,
         handlers.append(logging.FileHandler(cfg.run_dir / f"{name}.log"))
     logging.basicConfig(level=logging.INFO, handlers=handlers,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    die_with_parent()
     if cfg.security.curve_dir:
         from nano_miles.wire.sockets import use_curve
         use_curve(cfg.security.curve_dir)

@@ -6,12 +6,15 @@ so a value a stage would trip over stops the process at its start, in one line n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from nano_miles.run.cli import UserError
 
 
 @dataclass(frozen=True)
@@ -80,3 +83,23 @@ NUMBERS = Rule("a list of finite numbers", lambda v: isinstance(v, list) and all
     isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
 SHELL_WORDS = Rule("shell words with balanced quotes", _is_shell_words)
 TOP_K = Rule("-1 (off) or >= 1", lambda v: v == -1 or v >= 1)
+
+
+class ConfigError(UserError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+class Section:
+    """A config section checks every field against its rule (above) when it is built, so a value
+    a stage would trip over stops the process at its start; the error names `section.key` (the section
+    is the class name without 'Config'), the value and what is allowed."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            rule, value = f.metadata["rule"], getattr(self, f.name)
+            if not rule.accepts(value):
+                self.refuse(f.name, rule.allowed, value)
+
+    def refuse(self, key: str, allowed: str, value):
+        section = type(self).__name__.removesuffix("Config").lower()
+        raise ConfigError(f"{section}.{key} must be {allowed}, not {value!r}")
