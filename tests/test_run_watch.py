@@ -93,16 +93,6 @@ def test_a_trainer_refusing_a_finished_run_ends_it_as_refused(tmp_path):
     assert reason == "refused: trainer.log: trainer: ... holds the finished run abc: move it aside"
 
 
-def test_a_crash_loop_quotes_the_crash(tmp_path):
-    (tmp_path / "trainer.log").write_text("Traceback (most recent call last):\n  ...\n"
-                                          "OSError: [Errno 28] No space left on device\n")
-    watch = RunWatch(tmp_path, hang_timeout_s=0)
-    for i in range(MAX_QUICK_CRASHES):
-        event(watch, "PROCESS_STATE_STARTING", "processname:trainer", 10.0 * i)
-        reason = event(watch, "PROCESS_STATE_EXITED", "processname:trainer expected:0 pid:7", 10.0 * i + 1)
-    assert reason.endswith("trainer.log: OSError: [Errno 28] No space left on device"), reason
-
-
 def test_a_new_attempt_clears_an_earlier_failure(tmp_path):
     watch = RunWatch(tmp_path, hang_timeout_s=0)
     watch.end("failed: trainer exited 5 times in a row within 30s of starting; trainer.log: OSError: ...")
@@ -155,7 +145,38 @@ def test_a_silent_engine_is_restarted_not_the_stages_waiting_for_it(tmp_path):
     supervisor.pids["engine"] = 21
     event(watch, "TICK_5", "", 40.0)
     assert supervisor.killed == [("nanomiles:engine", "KILL")]
-    answering["http://e:1"] = True              # it answers: now the silent stages are judged
+    answering["http://e:1"] = True              # it answers: the stages' silence counts from now
     event(watch, "TICK_5", "", 45.0)
+    event(watch, "TICK_5", "", 55.0)            # (their calls to the engine may still be returning)
+    assert supervisor.killed == [("nanomiles:engine", "KILL")]
+    event(watch, "TICK_5", "", 60.0)            # still silent 15 s after the engine came back
     assert sorted(name for name, _ in supervisor.killed[1:]) == ["nanomiles:reward", "nanomiles:rollout",
                                                                  "nanomiles:trainer"]
+
+
+def run_stage(tmp_path, body: str):
+    """A stage's entry point whose main does `body`, under the environment supervisord gives it."""
+    import os
+    import subprocess
+    import sys
+    script = ("from nano_miles.run.cli import UserError, run\n"
+              f"def main(argv):\n    {body}\n"
+              "run(main, 'trainer', is_log_copied=True)\n")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "NANOMILES_RUN_DIR": str(tmp_path)})
+
+
+def test_the_trainers_last_line_ends_its_log_for_the_watch_to_quote(tmp_path):
+    """The trainer's stderr goes to the terminal: a crash (a full disk during a checkpoint) or a
+    mistake must also end trainer.log, or FAILED can quote nothing but "see trainer.log"."""
+    crashed = run_stage(tmp_path, "raise OSError(28, 'No space left on device')")
+    assert crashed.returncode == 1 and "Traceback" in crashed.stderr  # a crash keeps its traceback
+    assert (tmp_path / "trainer.log").read_text() == "trainer: crashed: OSError: [Errno 28] No space left on device\n"
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    for i in range(MAX_QUICK_CRASHES):
+        event(watch, "PROCESS_STATE_STARTING", "processname:trainer", 10.0 * i)
+        reason = event(watch, "PROCESS_STATE_EXITED", "processname:trainer expected:0 pid:7", 10.0 * i + 1)
+    assert reason.endswith("trainer.log: trainer: crashed: OSError: [Errno 28] No space left on device"), reason
+    mistake = run_stage(tmp_path, "raise UserError('task.test_file x.jsonl does not exist')")
+    assert mistake.returncode == 2 and mistake.stderr == "trainer: task.test_file x.jsonl does not exist\n"
+    assert (tmp_path / "trainer.log").read_text().splitlines()[-1] == "trainer: task.test_file x.jsonl does not exist"

@@ -14,11 +14,12 @@ Library module of `procs/run_end.py`, the `[eventlistener:run_end]` of superviso
   and supervisord would restart it forever). FAILED names the stage and quotes its log's last line.
 * A stage hangs: on each TICK_5 the watch reads the stages' heartbeats (`nano_miles/run/liveness.py`)
   and asks each engine of its own slots for /health. An engine that has not answered for
-  `run.hang_timeout_s` is restarted; while any engine does not answer, the stages are not judged
-  (they wait for it, and it is the one to restart). Otherwise a stage whose loop has not beaten for
-  `run.hang_timeout_s` gets SIGKILL through supervisord's XML-RPC interface, and supervisord starts it
-  again. Each such restart is logged and appended to `<run dir>/events.jsonl`. A stage is judged only
-  after its loop has beaten once, an engine only after it answered once (loading is slow, not hung).
+  `run.hang_timeout_s` is restarted. While any engine does not answer, the stages are not judged (they
+  wait for it, and it is the one to restart), and a stage's silence counts from when they all answer
+  again. Otherwise a stage whose loop has not beaten for `run.hang_timeout_s` gets SIGKILL through
+  supervisord's XML-RPC interface, and supervisord starts it again. Each such restart is logged and
+  appended to `<run dir>/events.jsonl`. A stage is judged only after its loop has beaten once, an
+  engine only after it answered once (loading is slow, not hung).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class RunWatch:
         self.quick_crashes: dict[str, int] = {}
         self.killed_for_hang: set[str] = set()
         self.engine_answered: dict[str, tuple[int, float]] = {}  # program -> (pid, when it last answered)
+        self.engines_back_at = 0.0  # when every engine answered again after one did not
         self.is_ending = False  # shutdown asked for: supervisord answers no more process calls
 
     def on_event(self, event: str, fields: dict[str, str], now: float) -> str | None:
@@ -117,14 +119,17 @@ class RunWatch:
 
     def restart_hung(self, now: float) -> None:
         if not self.engines_answer(now):
+            self.engines_back_at = float("inf")
             return  # the stages wait for an engine that does not answer: it is the one to judge
+        if self.engines_back_at == float("inf"):
+            self.engines_back_at = now  # a call that waited on the engine may still be returning
         for stage in WATCHED:
             info = self.supervisor.getProcessInfo(f"{GROUP}:{stage}")
             beat = read_heartbeat(self.run_dir, stage)
             if info["statename"] != "RUNNING" or beat is None or beat.get("pid") != info["pid"] \
                     or beat.get("waiting_for") == "starting":
                 continue
-            silent_s = now - float(beat["time"])
+            silent_s = now - max(float(beat["time"]), self.engines_back_at)
             if silent_s > self.hang_timeout_s:
                 self.kill_for_hang(stage, now, silent_s, f"its loop has not beaten (waiting for "
                                                          f"{beat.get('waiting_for') or 'nothing'})")

@@ -30,6 +30,9 @@ from nano_miles.wire.sockets import make_socket
 
 log = logging.getLogger("reward")
 
+WAIT_SLICE_MS = 1000  # a wait for a peer beats this often: waiting is not hanging, at any hang timeout
+LOG_EVERY_S = 10.0    # and says what it waits for this often
+
 
 def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None) -> ScoredGroup:
     """Run the reward function on each decoded response; whiten rewards inside the group.
@@ -79,12 +82,14 @@ class RewardStage:
         self.num_sent += 1
         self.metrics.sent(scored)
 
-    def send(self, data: bytes, log_every_s: float = 10.0) -> None:
+    def send(self, data: bytes) -> None:
         """PUSH blocks at its HWM while the trainer is down or busy (backpressure); say so while waiting."""
-        started = time.monotonic()
-        while not self.push.poll(int(log_every_s * 1000), zmq.POLLOUT):
+        started = logged = time.monotonic()
+        while not self.push.poll(WAIT_SLICE_MS, zmq.POLLOUT):
             liveness.beat("the trainer to take a scored group")
-            log.info("waiting for the trainer to take a scored group (%.0fs)", time.monotonic() - started)
+            if time.monotonic() - logged >= LOG_EVERY_S:
+                logged = time.monotonic()
+                log.info("waiting for the trainer to take a scored group (%.0fs)", logged - started)
         self.push.send(data)
 
     def close(self) -> None:
@@ -92,11 +97,14 @@ class RewardStage:
 
     def run(self) -> None:
         log.info("scoring groups from %s", self.pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        logged = time.monotonic()
         while True:
             liveness.beat("rollout groups")
-            if self.pull.poll(10_000, zmq.POLLIN):
+            if self.pull.poll(WAIT_SLICE_MS, zmq.POLLIN):
                 self.handle(self.pull.recv())
-            else:
+                logged = time.monotonic()
+            elif time.monotonic() - logged >= LOG_EVERY_S:
+                logged = time.monotonic()
                 log.info("idle: waiting for rollout groups (received %d, sent %d, rejected %d, "
                          "failed samples %s)", self.num_received, self.num_sent, self.num_rejected,
                          self.failures)
