@@ -42,3 +42,26 @@ def test_a_result_that_does_not_encode_leaves_the_last_file_whole(tmp_path):
     assert json.loads(path.read_text()) == {"complete": False, "rows": [1]}
     with pytest.raises(ValueError):  # the flag is the helper's: a result may not carry its own
         write_result(path, {"complete": True}, is_complete=False)
+
+
+def test_the_tests_margins_refuse_seeds_a_bench_cut_short_left(tmp_path, monkeypatch):
+    from harness import learning_runs
+    runs = [{"seed": 0, "eval_gain": 0.1, "reward_gain": 0.2}]
+    monkeypatch.setattr(learning_runs, "RESULTS", tmp_path / "learning_seeds.json")
+    write_result(learning_runs.RESULTS, {"configs": {"sync": {"runs": runs}}}, is_complete=False)
+    with pytest.raises(AssertionError, match="unfinished"):
+        learning_runs.margin("sync", "eval_gain")
+    write_result(learning_runs.RESULTS, {"configs": {"sync": {"runs": runs}}}, is_complete=True)
+    assert learning_runs.margin("sync", "eval_gain") == 0.05
+
+
+def test_quoted_figures_come_from_finished_benches_only(tmp_path, monkeypatch):
+    import test_quoted_figures as quoted
+    monkeypatch.setattr(quoted, "RESULTS", tmp_path)
+    rows = [{"shape": "policy", "num_params": 812_000}]
+    write_result(tmp_path / quoted.WS_CPU, {"rows": rows}, is_complete=False)
+    num_params = quoted.F(quoted.WS_CPU, quoted.ws_rows, {"shape": "policy"}, "num_params")
+    with pytest.raises(AssertionError, match="unfinished"):
+        quoted.resolve(num_params)
+    write_result(tmp_path / quoted.WS_CPU, {"rows": rows}, is_complete=True)
+    assert quoted.resolve(num_params) == 812_000
