@@ -32,7 +32,8 @@ learning_word_problems.json and .png. --config FILE reaches every stage through 
 at once (on a 2-core machine keep 1: each takes about 2 cores; the figures are per step and do not
 depend on it, the wall times do). --keep-runs DIR keeps every run directory there, and a run whose
 directory already holds a finished run is read instead of run again: a study cut short goes on
-where it stopped.
+where it stopped. The JSON is written after every finished run (`"complete": false`, the runs so far)
+and again at the end with the means and the first run's figures, so a study cut short keeps its runs.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.learning_runs import WORD_PROBLEMS  # noqa: E402
+from harness.result_file import write_result  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -112,6 +114,11 @@ def figures(evals: list[dict]) -> dict:
     start, late_mean = evals[0]["accuracy"], mean([e["accuracy"] for e in late])
     return {"start": start, "late_mean": late_mean, "gain": None if start is None else late_mean - start,
             "first_step_start": first_step[0], "first_step_late": mean(first_step[-LATE:])}
+
+
+def run_entry(row: dict) -> dict:
+    """A run as the JSON keeps it: of its summary only the wall time (its evaluations are the row's)."""
+    return {k: v for k, v in row.items() if k != "summary"} | {"wall_s": row["summary"]["wall_s"]}
 
 
 def variant_overrides(name: str, habit_free: Path) -> list[str]:
@@ -211,6 +218,7 @@ def main(argv: list[str]) -> int:
     if args.word_problems:
         name, title = "learning_word_problems", f"sync GRPO, word problems (JSONL, chat template), {where}"
     name = args.name or name
+    json_path = args.out / f"{name}.json"
     plan = [(v, s) for v in args.variants for s in (args.seeds[:1] if v == "control" else args.seeds)]
     with tempfile.TemporaryDirectory() as tmp:
         runs_dir = args.keep_runs or Path(tmp)
@@ -226,8 +234,15 @@ def main(argv: list[str]) -> int:
                         "figures": figures(summary["evals"]), "summary": summary}
             return None
 
+        done = {}  # plan index -> row, None for a failed run
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            rows = list(pool.map(lambda job: one(job[0], *job[1]), enumerate(plan)))
+            futures = {pool.submit(one, i, *job): i for i, job in enumerate(plan)}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
+                finished = [run_entry(done[i]) for i in sorted(done) if done[i] is not None]
+                write_result(json_path, {"config": cfg.to_dict(), "late_evaluations": LATE, "runs": finished},
+                             is_complete=False)
+        rows = [done[i] for i in range(len(plan))]
     if None in rows:
         return 1
     print_table(rows)
@@ -238,14 +253,12 @@ def main(argv: list[str]) -> int:
     means = {v: {k: mean([r["figures"][k] for r in rows if r["variant"] == v])
                  for k in ("start", "late_mean", "gain", "first_step_start", "first_step_late")}
              for v in args.variants}
-    args.out.mkdir(parents=True, exist_ok=True)
     result = {"config": cfg.to_dict(), "variant": rows[0]["variant"], "seed": rows[0]["seed"],
               **{k: first[k] for k in ("num_steps", "wall_s", "eval_accuracy_start", "eval_accuracy_max",
                                        "eval_accuracy_end", "ledger", "evals", "mean_step_s", "mean_update_ms")},
               "late_evaluations": LATE, "means": means,
-              "runs": [{k: v for k, v in r.items() if k != "summary"} | {"wall_s": r["summary"]["wall_s"]}
-                       for r in rows]}
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+              "runs": [run_entry(r) for r in rows]}
+    write_result(json_path, result, is_complete=True)
     if plot(rows, args.out / f"{name}.png", title):
         print(f"wrote {args.out / name}.json and {name}.png")
     return 0

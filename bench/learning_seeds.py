@@ -8,21 +8,23 @@ at start and best, and the training reward early and late, then the smallest gai
 writes bench/results/learning_seeds.json, from which the tests take half the smallest gain as their
 margin. Target: every seed gains at least 0.005 (one problem in 200; a reward of 0.005), or the
 tests have nothing to assert. `--jobs=N` runs N pipelines at once (each takes about 2 cores); the
-gains do not depend on it, the wall times do.
+gains do not depend on it, the wall times do. The JSON is written after every finished run
+(`"complete": false`, the runs so far) and again at the end with the spreads and verdicts, so a bench
+cut short keeps the runs it finished.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness.learning_runs import CONFIGS, GAINS, RESULTS, gains  # noqa: E402
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Spread, Verdict, print_verdicts  # noqa: E402
 
 MIN_GAIN = 0.005
@@ -63,24 +65,35 @@ def main(argv: list[str]) -> int:
               f"reward {r['reward_early']:.3f} -> {r['reward_late']:.3f} ({r['wall_s']:.0f} s)", flush=True)
         return r
 
+    def finished_runs(done: dict) -> dict:
+        """Per config, its finished runs in seed order."""
+        return {c: {"overrides": CONFIGS[c], "runs": [done[c, s] for s in seeds if (c, s) in done]}
+                for c in configs if any((c, s) in done for s in seeds)}
+
+    done = {}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(int(jobs)) as pool:
-        futures = {(c, s): pool.submit(run_and_show, c, s, Path(tmp)) for c in configs for s in seeds}
-        for config in configs:
-            runs = [futures[config, seed].result() for seed in seeds]
-            verdicts = [Verdict(f"{config} {g}, smallest over seeds", min(r[g] for r in runs), ">=", MIN_GAIN,
-                                digits=3) for g in GAINS]
-            result["configs"][config] = {
-                "overrides": CONFIGS[config], "runs": runs,
-                "spread": {g: Spread.of([r[g] for r in runs]).to_json() for g in GAINS},
-                "verdicts": [v.to_json() for v in verdicts]}
-            all_verdicts += verdicts
+        futures = {pool.submit(run_and_show, c, s, Path(tmp)): (c, s) for c in configs for s in seeds}
+        for future in as_completed(futures):
+            if future.exception() is None:  # a failed run's error is raised below, once the others are in
+                done[futures[future]] = future.result()
+                write_result(RESULTS, {"seeds": seeds, "configs": finished_runs(done)}, is_complete=False)
+    for future in futures:
+        future.result()
+    for config in configs:
+        runs = [done[config, seed] for seed in seeds]
+        verdicts = [Verdict(f"{config} {g}, smallest over seeds", min(r[g] for r in runs), ">=", MIN_GAIN,
+                            digits=3) for g in GAINS]
+        result["configs"][config] = {
+            "overrides": CONFIGS[config], "runs": runs,
+            "spread": {g: Spread.of([r[g] for r in runs]).to_json() for g in GAINS},
+            "verdicts": [v.to_json() for v in verdicts]}
+        all_verdicts += verdicts
     print(f"\n{'config':<8} {'gain':<12} {'mean [min, max] over seeds':>28}")
     for config, c in result["configs"].items():
         for g in GAINS:
             print(f"{config:<8} {g:<12} {Spread.of([r[g] for r in c['runs']]).text('+.3f'):>28}")
     print_verdicts(all_verdicts)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    write_result(RESULTS, result, is_complete=True)
     print(f"wrote {RESULTS}")
     return 0
 

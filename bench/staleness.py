@@ -29,7 +29,9 @@ Targets, one verdict each, on the means over seeds: async S = 2 reaches the accu
 0.8x the sync runs' time, and its goodput is >= 0.95; with --speedup-target=X also, per engine count,
 async S = 2's samples/s >= X times sync's. Prints the tables and the verdicts; writes
 staleness.json (every run, the per-variant statistics, the verdicts) and staleness.png into --out
-(default bench/results). --config FILE reaches every stage through $NANOMILES_CONFIG.
+(default bench/results). --config FILE reaches every stage through $NANOMILES_CONFIG. The JSON is
+written after every finished run (`"complete": false`, the runs so far) and again at the end with the
+statistics and verdicts, so a bench cut short keeps the runs it finished.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Spread, Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -285,6 +288,9 @@ def main(argv: list[str]) -> int:
             rest.append(arg)
     # The CPU defaults; a --config file's own sizes stand as written.
     overrides = ([] if "NANOMILES_CONFIG" in os.environ else DEFAULTS) + rest
+    json_path = out_dir / "staleness.json"
+    config = os.environ.get("NANOMILES_CONFIG", "configs/default.toml")
+    setup = {"config": config, "overrides": overrides, "seeds": seeds, "replicas": replicas}
     variants = make_variants(overrides, staleness, replicas)
     names = [v["name"] for v in variants]
     if from_runs is not None:
@@ -297,9 +303,12 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"no finished run under {from_runs}")
         rows = [read_run(name, seed, from_runs / run_dir_name(name, seed)) for name, seed in kept]
     else:
+        rows = []
         with tempfile.TemporaryDirectory() as tmp:
-            rows = [run_variant(v["name"], seed, v["overrides"], keep_runs or Path(tmp))
-                    for seed in seeds for v in variants]
+            for seed in seeds:
+                for v in variants:
+                    rows.append(run_variant(v["name"], seed, v["overrides"], keep_runs or Path(tmp)))
+                    write_result(json_path, {**setup, "runs": rows}, is_complete=False)
     rows.sort(key=lambda r: names.index(r["name"]))  # variant by variant
     sync_name = variant_name("sync", replicas[0])
     target_accuracy = resolve_target_accuracy(
@@ -318,15 +327,11 @@ def main(argv: list[str]) -> int:
         print_verdicts(checks)
     else:
         print(f"\nno verdict: the targets are set for sync against async S={TARGET_STALENESS}, which was not run")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = os.environ.get("NANOMILES_CONFIG", "configs/default.toml")
-    (out_dir / "staleness.json").write_text(json.dumps({
-        "config": config, "overrides": overrides, "seeds": seeds, "target_accuracy": target_accuracy,
-        "target_accuracy_spec": target_spec, "replicas": replicas, "runs": rows, "variants": stats,
-        "speedups": speedup_rows,
-        "verdicts": [v.to_json() for v in checks]}, indent=2))
+    write_result(json_path, {
+        **setup, "target_accuracy": target_accuracy, "target_accuracy_spec": target_spec, "runs": rows,
+        "variants": stats, "speedups": speedup_rows, "verdicts": [v.to_json() for v in checks]}, is_complete=True)
     plot(rows, target_accuracy, out_dir / "staleness.png")
-    print(f"\nwrote {out_dir / 'staleness.json'} and staleness.png")
+    print(f"\nwrote {json_path} and staleness.png")
     return 0
 
 

@@ -7,18 +7,20 @@ e.g. python bench/throughput.py --vs --run.mode=async --run.max_staleness=2
 Overrides before the first `--vs` apply to every variant; each `--vs` adds a variant, and all
 variants run one after another in this invocation and are printed side by side. The default budget
 is 24 steps of 8 groups x 8 samples (1,536 samples); step 1 (warm-up) and the final evaluation are
-left out of the averages. Writes bench/results/throughput.json and throughput.png.
+left out of the averages. Writes bench/results/throughput.json and throughput.png; the JSON after every
+finished variant (`"complete": false`, the variants so far) and again at the end with the verdicts, so a
+bench cut short keeps the variants it finished.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -142,10 +144,17 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    def result_json() -> dict:
+        """The file's content for the variants run so far."""
+        done = names[:len(results)]
+        return {"budget": BUDGET, "variants": dict(zip(done, results)),
+                "configs": {n: c.to_dict() for n, c in zip(done, configs)}}
+
     results = []
     for name, v in zip(names, variants):
         print(f"running {name} ...", flush=True)
         results.append(run_variant(v))
+        write_result(RESULTS / "throughput.json", result_json(), is_complete=False)
     print()
     print(table(names, results))
     verdicts = [Verdict(f"overhead, {name}", 100 * r["overhead_share"], "<=", TARGET_OVERHEAD_PERCENT, "%", 2)
@@ -153,10 +162,7 @@ def main(argv: list[str]) -> int:
     print_verdicts(verdicts)
     for r, v in zip(results, verdicts):
         r["verdict"] = v.to_json()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps(
-        {"budget": BUDGET, "variants": dict(zip(names, results)),
-         "configs": {n: c.to_dict() for n, c in zip(names, configs)}}, indent=2))
+    write_result(RESULTS / "throughput.json", result_json(), is_complete=True)
     written = "throughput.json" + (" and throughput.png" if plot(names, results, RESULTS / "throughput.png") else "")
     print(f"\nwrote {written} in {RESULTS}")
     return 0

@@ -19,7 +19,9 @@ backward) and, on a GPU, model FLOPs utilisation against the dtype's dense peak 
 parameter per token, the output head on response tokens only, causal attention; recomputation by
 checkpointing not counted). Targets on the H200: the 256-sample step with 512-token responses at
 the 0.5B shape in at most 40 GB peak, and MFU of at least 25 % in bf16. Writes
-trainer_memory_<device>.json under --out (bench/results/gpu for cuda).
+trainer_memory_<device>.json under --out (bench/results/gpu for cuda), after every configuration
+(`"complete": false`, the rows so far) and again at the end with the verdicts, so a bench cut short
+keeps the rows it finished.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.model_shapes import QWEN25_05B  # noqa: E402
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -175,24 +178,26 @@ def main(argv: list[str]) -> int:
     if args.one:
         print(json.dumps(measure(Case(**json.loads(args.one)), "cpu")))
         return 0
+    path = (args.out or (RESULTS / "gpu" if args.device == "cuda" else RESULTS)) / f"trainer_memory_{args.device}.json"
+    rows = []
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
             return 2
-        rows = []
+        gpu = torch.cuda.get_device_name()
         for case in gpu_cases(args.quick):
             rows.append(measure(case, "cuda"))
+            write_result(path, {"device": args.device, "gpu": gpu, "rows": rows}, is_complete=False)
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-        gpu = torch.cuda.get_device_name()
     else:
-        rows = []
+        gpu = None
         for case in cpu_cases(args.quick):
             rows.append(run_cpu_case(case))
+            write_result(path, {"device": args.device, "gpu": gpu, "rows": rows}, is_complete=False)
             peak = "OOM" if rows[-1]["oom"] else f"{rows[-1]['peak_mb']:.0f} MB, {rows[-1]['step_s']:.1f} s"
             print(f"{case.label}: {peak}", flush=True)
-        gpu = None
     print_table(rows)
     verdicts = []
     if args.device == "cuda":
@@ -204,11 +209,8 @@ def main(argv: list[str]) -> int:
         verdicts.append(Verdict("best bf16 MFU of the training step", max(mfus) if mfus else None, ">=", TARGET_MFU,
                                 "%", why_none="not measured"))
         print_verdicts(verdicts)
-    out = args.out or (RESULTS / "gpu" if args.device == "cuda" else RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"trainer_memory_{args.device}.json"
-    path.write_text(json.dumps({"device": args.device, "gpu": gpu, "rows": rows,
-                                "verdicts": [v.to_json() for v in verdicts]}, indent=2))
+    write_result(path, {"device": args.device, "gpu": gpu, "rows": rows, "verdicts": [v.to_json() for v in verdicts]},
+                 is_complete=True)
     print(f"wrote {path}")
     return 0
 

@@ -15,13 +15,14 @@ flat buffer once under each condition, interleaved so that machine noise hits al
 * after_sleep1: after one second with nothing to do (the engine's side of a training step)
 * idle_noflush: back to back, `flush_cache` false
 
-Prints the median gather / serialize / apply per condition (ms) and writes update_wakeup.json.
+Prints the median gather / serialize / apply per condition (ms) and writes update_wakeup.json, after
+every pause mode's server (`"complete": false`, the modes so far) and again at the end, so a bench cut
+short keeps the modes it finished.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.result_file import write_result  # noqa: E402
+
 PARTS = ("gather", "serialize", "apply")
 PAUSE_MODES = ("in_place", "abort")
 
@@ -89,19 +92,19 @@ def main(argv: list[str]) -> int:
     import torch
 
     from weight_sync_gpu import make_model
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "update_wakeup.json"
     result = {"gpu": torch.cuda.get_device_name(), "rounds": args.rounds, "pause_modes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model, model_dir = make_model(Path(tmp))
         for mode in PAUSE_MODES:
             result["pause_modes"][mode] = measure(model, model_dir, mode, args.rounds, Path(tmp))
+            write_result(path, result, is_complete=False)
     print(f"\n{'pause mode':<10} {'condition':<18} " + " ".join(f"{p:>9}" for p in PARTS))
     for mode, rows in result["pause_modes"].items():
         for name, row in rows.items():
             print(f"{mode:<10} {name:<18} " + " ".join(f"{row[p + '_ms']:>9.2f}" for p in PARTS))
-    (out / "update_wakeup.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {out / 'update_wakeup.json'}")
+    write_result(path, result, is_complete=True)
+    print(f"wrote {path}")
     return 0
 
 

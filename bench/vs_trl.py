@@ -25,7 +25,9 @@ engine's reserved pool included; and the trainer's max allocated) and the weight
 Writes vs_trl.json and vs_trl.png (held-out accuracy against wall time) into --out (default
 bench/results). Targets: nano-miles ahead of TRL in samples/s and time to target on every policy,
 async S=2 at >= 3x TRL's samples/s on the large policy, final accuracy not below TRL's by more than
-the 3-point noise of 200 held-out problems.
+the 3-point noise of 200 held-out problems. The JSON is written after every run (`"complete": false`,
+the runs so far) and again at the end with the targets and verdicts, so a bench cut short keeps its
+runs; `--from` refuses such a file.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.result_file import write_result  # noqa: E402
 from harness.servers import REPO_ROOT  # noqa: E402
 from harness.trl_grpo import MUST_MATCH, nano_settings  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
@@ -196,16 +200,23 @@ def plot(results: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def measure(policy: str, overrides: list[str], generation: str, env: dict, root: Path) -> dict:
-    """The three runs on one policy, the target from their start, both sides' settings."""
+def measure(policy: str, overrides: list[str], generation: str, env: dict, root: Path,
+            on_run: Callable[[dict], None]) -> dict:
+    """The three runs on one policy, the target from their start, both sides' settings; `on_run` is
+    handed the policy's result so far after each run."""
     config = str(REPO_ROOT / POLICIES[policy][0])
-    runs = {"sync": run_nano("sync", config, overrides, root),
-            "async": run_nano("async S=2", config, overrides + ["--run.mode=async", "--run.max_staleness=2"], root),
-            "trl": run_trl(config, overrides, generation, env, root)}
-    starts = [r["evals"][0]["accuracy"] for r in runs.values()]
-    return {"config": POLICIES[policy][0], "overrides": overrides, "target_points": POLICIES[policy][1],
-            "target_accuracy": sum(starts) / len(starts) + POLICIES[policy][1] / 100,
-            "nano_settings": nano_settings(load_config(config, overrides)), "runs": runs}
+    starts = {"sync": lambda: run_nano("sync", config, overrides, root),
+              "async": lambda: run_nano("async S=2", config, overrides + ["--run.mode=async",
+                                                                         "--run.max_staleness=2"], root),
+              "trl": lambda: run_trl(config, overrides, generation, env, root)}
+    result = {"config": POLICIES[policy][0], "overrides": overrides, "target_points": POLICIES[policy][1],
+              "nano_settings": nano_settings(load_config(config, overrides)), "runs": {}}
+    for key, start in starts.items():
+        result["runs"][key] = start()
+        on_run(result)
+    accuracies = [r["evals"][0]["accuracy"] for r in result["runs"].values()]
+    result["target_accuracy"] = sum(accuracies) / len(accuracies) + POLICIES[policy][1] / 100
+    return result
 
 
 def report(results: dict, out: Path, name: str) -> None:
@@ -222,8 +233,7 @@ def report(results: dict, out: Path, name: str) -> None:
     print_verdicts(checks)
     for p, res in results.items():
         res["verdicts"] = [v.to_json() for v in checks if v.name.startswith(f"{p}:")]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({"policies": results}, indent=2))
+    write_result(out / f"{name}.json", {"policies": results}, is_complete=True)
     plot(results, out / f"{name}.png")
     print(f"\nwrote {out / name}.json and {name}.png")
 
@@ -247,7 +257,11 @@ def main(argv: list[str]) -> int:
         for path in args.from_files:
             if not path.is_file():
                 raise UserError(f"--from {path}: no such file")
-            results.update(json.loads(path.read_text())["policies"])
+            earlier = json.loads(path.read_text())
+            if earlier.get("complete") is False:
+                raise UserError(f"--from {path}: a bench cut short wrote it (\"complete\": false); its runs "
+                                "have no targets or verdicts to report")
+            results.update(earlier["policies"])
         report(results, args.out, args.name)
         return 0
     policies = args.policies.split(",")
@@ -262,9 +276,16 @@ def main(argv: list[str]) -> int:
                             f"--shape {p} --device cuda --out {model_dir}")
     env = trl_env(args.trl_pythonpath)
     print(f"trl, datasets, transformers in TRL's process: {check_trl(env)}")
+    results = {}
+
+    def save(policy: str, so_far: dict) -> None:
+        results[policy] = so_far
+        write_result(args.out / f"{args.name}.json", {"policies": results}, is_complete=False)
+
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep_runs or Path(tmp)
-        results = {p: measure(p, overrides, args.trl_generation, env, root / p) for p in policies}
+        for p in policies:
+            results[p] = measure(p, overrides, args.trl_generation, env, root / p, lambda so_far, p=p: save(p, so_far))
     report(results, args.out, args.name)
     return 0
 

@@ -8,13 +8,13 @@ with `save_pretrained` and loaded by the engine with `/update_weights_from_disk`
 `--repeats` rounds; the two paths alternate inside each round so machine noise hits both alike.
 Target: the shared-memory transport at least 20x faster than the disk transport, for every shape; each shape's
 verdict ("met" or "missed by X") is printed and kept in its row. Prints a table and writes
-bench/results/weight_sync.json (or --out).
+bench/results/weight_sync.json (or --out): `{"complete": ..., "rows": [one per shape]}`, written after every
+shape (`"complete": false`) and again at the end, verdicts in, so a bench cut short keeps the shapes it finished.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -111,6 +112,7 @@ def main(argv: list[str]) -> int:
         for shape in shapes:
             print(f"measuring {shape} ...", flush=True)
             rows.append(measure(shape, args.repeats, Path(tmp)))
+            write_result(args.out, {"rows": rows}, is_complete=False)
     print(f"\n{'shape':<8} {'params':>10} {'MB fp32':>8} {'shm ms':>8} {'(ser/apply)':>12} "
           f"{'disk ms':>8} {'speedup':>8}")
     for r in rows:
@@ -121,8 +123,7 @@ def main(argv: list[str]) -> int:
     print_verdicts(verdicts)
     for r, v in zip(rows, verdicts):
         r["verdict"] = v.to_json()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2))
+    write_result(args.out, {"rows": rows}, is_complete=True)
     print(f"\nwrote {args.out}")
     return 0
 

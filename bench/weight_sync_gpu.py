@@ -22,13 +22,14 @@ Targets: the flat transport's median update at most 8 ms here; in the loop, the 
 trainer's `update_ms`: pushing plus telling the producer) at most 6 ms and within 1.5 ms of the
 one-tensor floor measured above. Verdicts ("met" or "missed by X ms") are printed and kept in the JSON.
 Prints a table of medians (with the client-side split gather / serialize / apply) and writes
-weight_sync_gpu.json (and a PNG when matplotlib is present) under --out.
+weight_sync_gpu.json (and a PNG when matplotlib is present) under --out; the JSON once the transports
+are measured (`"complete": false`) and again after the pipeline run with the verdicts, so a bench cut
+short in the pipeline run keeps the transports' figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from harness.model_shapes import QWEN25_05B  # noqa: E402
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 
 PATHS = ["bucket-1", "bucket-512MiB", "flat", "one-tensor", "disk"]
@@ -210,9 +212,11 @@ def main(argv: list[str]) -> int:
     if args.repeats < 10:
         p.error("--repeats must be >= 10 (medians of fewer say little)")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # SGLang's log goes there too
+    path = out / "weight_sync_gpu.json"
     with tempfile.TemporaryDirectory() as tmp:
         result = measure(args.repeats, Path(tmp), out)
+        write_result(path, result, is_complete=False)
         if args.in_loop_steps:
             result["in_loop"] = measure_in_loop(Path(tmp) / MODEL_DIR, Path(tmp) / "run", args.in_loop_steps)
     print(f"\n{'path':<14} {'p50 ms':>8} {'p90 ms':>8} {'gather':>8} {'serialize':>10} {'apply':>8}")
@@ -233,9 +237,9 @@ def main(argv: list[str]) -> int:
                              IN_LOOP_FLOOR_GAP_MS, "ms", 2)]
     print_verdicts(verdicts)
     result["verdicts"] = [v.to_json() for v in verdicts]
-    (out / "weight_sync_gpu.json").write_text(json.dumps(result, indent=2))
+    write_result(path, result, is_complete=True)
     plot(result, out / "weight_sync_gpu.png")
-    print(f"wrote {out / 'weight_sync_gpu.json'}")
+    print(f"wrote {path}")
     return 0
 
 

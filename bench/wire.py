@@ -15,10 +15,11 @@ Target: the bytes encoding at >= 50 M tokens/s wall-clock on every shape and pat
 Both encodings validate the group fully on both ends (nano_miles.wire.data checks); the list variant
 differs only in how arrays travel (msgpack lists of ints / float64) and is defined here, not in the
 library, because nothing but this comparison should ever use it.
+The JSON is written after every measured row (`"complete": false`) and again at the end, verdicts in
+(`"complete": true`), so a bench cut short keeps the rows it finished.
 """
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -33,6 +34,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Verdict, print_verdicts  # noqa: E402
 from nano_miles.wire import data as wire  # noqa: E402
 from nano_miles.wire.codec import make_group_id  # noqa: E402
@@ -169,6 +171,13 @@ def measure(name, num_samples, num_prompt, num_response, encoding, args, workdir
     return row
 
 
+def meta() -> dict:
+    return {"target_tokens_per_s": TARGET_TOKENS_PER_S, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "msgpack": ".".join(map(str, msgpack.version)), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+            "load_average_1m_5m_15m": os.getloadavg(), "unix_time": time.time()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -180,6 +189,7 @@ def main() -> None:
         for shape in SHAPES:
             for encoding in CODECS:
                 rows.append(measure(*shape, encoding, args, workdir))
+                write_result(args.out, {"meta": meta(), "rows": rows}, is_complete=False)
     header = (f"{'shape':<18} {'path':<6} {'enc':<6} {'groups/s':>10} {'Mtok/s':>8} {'MB/s':>8} {'bytes/list':>10} "
               f"{'cpu Mtok/s':>10}")
     print(header + "\n" + "-" * len(header))
@@ -199,11 +209,7 @@ def main() -> None:
                       f"{r[path]['tokens_per_s'] / 1e6:>8.1f} {r[path]['mb_per_s']:>8.0f} {ratio:>10} "
                       f"{r[path]['cpu_bound_tokens_per_s'] / 1e6:>10.1f}")
     print_verdicts(verdicts)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"target_tokens_per_s": TARGET_TOKENS_PER_S, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "numpy": np.__version__, "msgpack": ".".join(map(str, msgpack.version)), "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version(), "load_average_1m_5m_15m": os.getloadavg(), "unix_time": time.time()}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    write_result(args.out, {"meta": meta(), "rows": rows}, is_complete=True)
     print(f"load average (1, 5, 15 min): {os.getloadavg()} on {os.cpu_count()} CPUs; wrote {args.out}")
 
 

@@ -33,7 +33,10 @@ def gains(summary: dict) -> dict[str, float]:
 
 def margin(config: str, gain: str) -> float:
     """Half the smallest `gain` of `config` over the recorded seeds; an error if any seed did not gain."""
-    runs = json.loads(RESULTS.read_text())["configs"][config]["runs"]
+    result = json.loads(RESULTS.read_text())
+    if result.get("complete") is False:  # the bench was cut short: its margins would rest on fewer seeds
+        raise AssertionError(f"{RESULTS.name} holds an unfinished bench's runs; run it to its end")
+    runs = result["configs"][config]["runs"]
     smallest = min(run[gain] for run in runs)
     if smallest <= 0:
         raise AssertionError(f"{RESULTS.name}: a {config} run with seed {min(runs, key=lambda r: r[gain])['seed']} "
