@@ -91,6 +91,18 @@ def test_golden_decodes_back_equal():
     assert not scored.rewards.flags.writeable  # a zero-copy view over the received bytes
 
 
+def test_versions_that_go_down_travel_and_count_from_their_oldest():
+    """A sample resumed after a trainer restarted from an older checkpoint goes down in version: it
+    is a valid group whose oldest and newest versions are taken over every token, not its ends."""
+    g = fixed_group()
+    g.samples = [Sample(i32(5, 6, 7, 2), f32(-0.5, -1.25, -0.0, -3.0), i32(5, 5, 3, 3), "stop"),
+                 Sample(i32(8, 9), f32(-0.75, -2.0), i32(4, 4), "length")]
+    back = decode_rollout(encode_rollout(g))
+    assert back == g and back.samples[0].versions.tolist() == [5, 5, 3, 3]
+    assert (back.samples[0].oldest_version, back.samples[0].newest_version) == (3, 5)
+    assert (back.oldest_version, back.newest_version) == (3, 5)
+
+
 def le_bytes(fmt: str, *values) -> bytes:
     """Little-endian int32 ("i") or float32 ("f") bytes, packed by struct: no numpy, no encoder."""
     return struct.pack(f"<{len(values)}{fmt}", *values)
@@ -230,10 +242,8 @@ ROLLOUT_CASES = [
      r"samples\[0\].logprobs: non-finite value nan at position 1"),
     ("inf logprob", lambda m: s0(m).update(logprobs=f32(-1, -1, -1, -np.inf).tobytes()),
      r"samples\[0\].logprobs: non-finite value -inf at position 3"),
-    ("decreasing versions", lambda m: s0(m).update(versions=i32(4, 5, 4, 5).tobytes()),
-     r"samples\[0\].versions: decreasing at position 2 \(5 -> 4\)"),
-    ("negative version", lambda m: s0(m).update(versions=i32(-1, 0, 0, 0).tobytes()),
-     r"samples\[0\].versions: negative version -1"),
+    ("negative version", lambda m: s0(m).update(versions=i32(0, 0, -1, 0).tobytes()),
+     r"samples\[0\].versions: negative version -1 at position 2"),
     ("empty response", lambda m: s0(m).update(response_tokens=b"", logprobs=b"", versions=b""),
      r"samples\[0\].response_tokens: empty"),
     ("bad finish reason", lambda m: s0(m).update(finish_reason="eos"), r"samples\[0\].finish_reason: 'eos' not in"),
@@ -295,8 +305,8 @@ def test_size_limit_is_checked_before_unpacking():
 
 def test_encoders_validate():
     g = fixed_group()
-    g.samples[1] = Sample(i32(1, 2), f32(-1, -1), i32(3, 2), "stop")
-    with pytest.raises(WireError, match=r"samples\[1\].versions: decreasing"):
+    g.samples[1] = Sample(i32(1, 2), f32(-1, -1), i32(3, -2), "stop")
+    with pytest.raises(WireError, match=r"samples\[1\].versions: negative version -2"):
         encode_rollout(g)
     g = fixed_group()
     g.samples[0].logprobs = g.samples[0].logprobs.astype(np.float64)

@@ -191,7 +191,7 @@ class Trainer:
             group = scored.group
             reason = admission.refusal(
                 self.step, oldest_version=group.oldest_version,
-                newest_version=max(int(s.versions[-1]) for s in group.samples),
+                newest_version=group.newest_version,
                 is_consumed=group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids
                 or group.group_id in batch_ids, max_staleness=self.max_staleness,
                 has_signal=bool(scored.advantages.any()), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
