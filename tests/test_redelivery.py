@@ -20,6 +20,7 @@ from nano_miles.rewards import load_reward
 from nano_miles.run.config import load_config
 from nano_miles.stages.reward.scorer import RewardStage
 from nano_miles.stages.rollout.producer import RolloutProducer
+from nano_miles.stages.trainer.checkpoint import save_checkpoint
 from nano_miles.stages.trainer.step_loop import Trainer
 from nano_miles.tasks import load_problems
 from nano_miles.tasks.prompts import encode_prompts, load_tokenizer, make_decoder
@@ -144,3 +145,33 @@ def test_a_copy_whose_lease_ran_out_in_reward_is_trained_once(tmp_path, engine_p
         status = s.producer.on_status()
         assert status["num_reissued"] == 1 and status["outstanding_group_ids"] == []  # not issued again
 
+
+def test_groups_from_rolled_back_weights_are_refused_and_issued_again_once(tmp_path, engine_port):
+    # async, max_staleness 1: after the restart the producer re-issues the lost groups at once, so a
+    # new copy of each is on its way when the restarted trainer refuses the old one. The samples of a
+    # group are generated together with those of others, so which group arrives first is left open.
+    with stages(tmp_path, engine_port, "--run.mode=async", "--run.max_staleness=1") as s:
+        first = s.trainer()
+        s.send(2)  # the gate lets e0-i0 and e0-i1 start on version 0
+        s.score(2)
+        kept = take_step(first)
+        save_checkpoint(first.run_dir / "checkpoints", first.model, first.tokenizer, first.learner, first.state)
+        lost = take_step(first)  # after the checkpoint: lost with the restart below
+        s.send(4)  # e0-i2 and e0-i3 on version 2; they wait in the reward stage
+        second = s.trainer()  # the trainer died and restarted from its checkpoint of step 1
+        assert (second.step, second.state.version, second.trained_ids) == (1, 1, set(kept))
+        assert second.peers.engine.model_info()["weight_version"] == "1"
+        s.send(6)  # the producer issued e0-i2 and e0-i3 again at once, on version 1
+        assert s.producer.ledger.attempts == {**dict.fromkeys(kept + lost, 0), "e0-i2": 1, "e0-i3": 1}
+        s.score(4)  # both copies of each reach the restarted trainer, the old ones first
+        second_step = take_step(second)  # a new copy, after refusing both old ones
+        assert second_step in (["e0-i2"], ["e0-i3"])
+        assert second.drops == {"future_version": 2} and drops_counted(second, "future_version") == 2
+        s.send(7)  # room for one more group on version 2: the one the restart lost
+        # a refused copy's report must not send back in line the copy of it still on its way
+        assert s.producer.ledger.attempts == {**dict.fromkeys(kept, 0), **dict.fromkeys(lost, 1),
+                                              "e0-i2": 1, "e0-i3": 1}
+        s.score(1)  # the lost group; the other new copy waits in the trainer's queue already
+        later = take_step(second) + take_step(second)
+        assert sorted(second_step + later) == sorted(lost + ["e0-i2", "e0-i3"])
+        assert second.drops == {"future_version": 2}  # and no duplicate: every group was made once more

@@ -66,8 +66,8 @@ def fixed_controls() -> dict[str, bytes]:
             "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
 
 
-# schema version of each golden message: data plane v2, control plane v4
-GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 4, "reply_status": 4}
+# schema version of each golden message: data plane v2, control plane v5
+GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 5, "reply_status": 5}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -176,7 +176,7 @@ def test_control_round_trip():
     state = RestoreState(step=3, version=3, committed_group_ids=["e0-i5"], cursor=20001,
                          no_signal_group_ids=["e0-i4"])
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
-             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"],
+             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_attempts": {"e0-i2": 1},
                          "no_signal_group_ids": ["e0-i3"]}), ("restore", {"state": state}), ("status", {})]
     for cmd, args in cases:
         assert decode_request(encode_request(cmd, "r1", "run-a", **args)) == ControlRequest(cmd, "r1", args, "run-a")
@@ -347,12 +347,16 @@ def test_status_with_more_drops_than_a_plain_map_may_hold():
     ("pause", {}, "args.mode: missing"),
     ("resume", {"version": -1}, "args.version: expected an int >= 0"),
     ("resume", {"version": 1.0}, "args.version: expected an int >= 0"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_group_ids": [], "no_signal_group_ids": []},
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_attempts": {}, "no_signal_group_ids": []},
      r"args.group_ids\[1\]: 'oops' is not of the form"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_group_ids": [], "no_signal_group_ids": []},
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_attempts": {}, "no_signal_group_ids": []},
      "args.group_ids: duplicate group id 'e0-i1'"),
-    ("commit", {"step": 1, "group_ids": []}, "args.dropped_group_ids: missing"),
-    ("commit", {"step": 1, "group_ids": [], "dropped_group_ids": []}, "args.no_signal_group_ids: missing"),
+    ("commit", {"step": 1, "group_ids": []}, "args.dropped_attempts: missing"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": ["e0-i2"]}, "args.dropped_attempts: expected a map"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": {"oops": 0}}, "args.dropped_attempts key: 'oops'"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": {"e0-i2": -1}},
+     "args.dropped_attempts.e0-i2: expected an int >= 0"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": {}}, "args.no_signal_group_ids: missing"),
     ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": []}}, "args.state.cursor: missing"),
     ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": [], "cursor": "3"}},
      "args.state.cursor: expected int"),
