@@ -12,11 +12,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from conftest import start_engine, stop_process
 from harness.learning_runs import ASYNC, margin
 from harness.supervised_run import SupervisedRun
+from nano_miles.algo.admission import FUTURE, refusal, staleness
 from nano_miles.engine.client import EngineClient
 from nano_miles.run.config import load_config
 from nano_miles.stages.rollout.producer import RolloutProducer
 from nano_miles.tasks.arithmetic import Problem
 from nano_miles.weights.tensor_sender import push_weights
+from nano_miles.wire.data import decode_rollout
 
 TEMPERATURE = 0.8
 MIN_DECODED = 8  # decode steps every sample has had before the cut
@@ -36,6 +38,26 @@ def wait_for_engine(engine: EngineClient, condition, what: str, timeout_s: float
     return state
 
 
+def freeze_mid_sample(engine: EngineClient) -> None:
+    """Pause the engine in place once a group's 4 samples run and have decoded MIN_DECODED tokens:
+    the cut that follows lands mid-sample. The timeouts only bound a failure."""
+    started = wait_for_engine(engine, lambda s: s["num_running_reqs"] == 4, "ran the group's 4 samples")
+    wait_for_engine(engine, lambda s: s["num_forward_steps"] >= started["num_forward_steps"] + MIN_DECODED,
+                    f"decoded {MIN_DECODED} steps")
+    engine.pause("in_place")
+    frozen = engine_state(engine)
+    assert frozen["is_paused"] and frozen["num_running_reqs"] == 4, f"samples finished before the cut: {frozen}"
+
+
+def producer_for(url: str, tmp_path, prompt: list[int]) -> tuple[RolloutProducer, zmq.Context]:
+    cfg = load_config(overrides=[
+        f"--engine.port={url.rsplit(':', 1)[1]}", "--rollout.group_size=4", "--rollout.max_new_tokens=400",
+        f"--rollout.temperature={TEMPERATURE}", f"--rollout.control_endpoint=ipc://{tmp_path}/c",
+        f"--reward.endpoint=ipc://{tmp_path}/r", "--rollout.metrics_port=0"])  # not the default 9101
+    ctx = zmq.Context()
+    return RolloutProducer(cfg, ctx, [Problem("p", "0")], [prompt], stop_token_ids=[]), ctx
+
+
 @pytest.fixture
 def long_talker(tmp_path):
     """A random model with no EOS, so samples run to max_new_tokens: slow enough to be cut."""
@@ -52,25 +74,13 @@ def long_talker(tmp_path):
 
 def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
     model, url = long_talker
-    cfg = load_config(overrides=[
-        f"--engine.port={url.rsplit(':', 1)[1]}", "--rollout.group_size=4", "--rollout.max_new_tokens=400",
-        f"--rollout.temperature={TEMPERATURE}", f"--rollout.control_endpoint=ipc://{tmp_path}/c",
-        f"--reward.endpoint=ipc://{tmp_path}/r", "--rollout.metrics_port=0"])  # not the default 9101
-    ctx = zmq.Context()
     prompt = [5, 6, 7, 8, 9]
-    producer = RolloutProducer(cfg, ctx, [Problem("p", "0")], [prompt], stop_token_ids=[])
+    producer, ctx = producer_for(url, tmp_path, prompt)
     engine = EngineClient(url)
     result = {}
     worker = threading.Thread(target=lambda: result.update(group=producer.generate_group("e0-i0", 0)))
     worker.start()
-    # The cut must land mid-sample: wait until the engine runs all 4 samples and has decoded some of
-    # their tokens, freeze it at a step boundary, and check they are all still running before aborting.
-    started = wait_for_engine(engine, lambda s: s["num_running_reqs"] == 4, "ran the group's 4 samples")
-    wait_for_engine(engine, lambda s: s["num_forward_steps"] >= started["num_forward_steps"] + MIN_DECODED,
-                    f"decoded {MIN_DECODED} steps")
-    engine.pause("in_place")
-    frozen = engine_state(engine)
-    assert frozen["is_paused"] and frozen["num_running_reqs"] == 4, f"samples finished before the cut: {frozen}"
+    freeze_mid_sample(engine)
     old_state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         for p in model.parameters():
@@ -106,6 +116,38 @@ def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):
                 gap = (expected[mine] - torch.from_numpy(s.logprobs.copy())[mine]).abs().max().item()
                 assert gap < 1e-4, f"version {version} segment disagrees by {gap}"
     assert num_spanning == 4, "a sample was not cut by the update"
+
+
+def test_partial_rollout_across_a_rollback_is_sent_and_counts_from_its_oldest_version(long_talker, tmp_path):
+    """A trainer that restarted from an older checkpoint pushes older weights while samples are cut:
+    they resume under a lower version. The producer still encodes and sends the group, the group
+    counts from its oldest token, and the restarted trainer refuses its rolled-back tokens."""
+    model, url = long_talker
+    producer, ctx = producer_for(url, tmp_path, [5, 6, 7, 8, 9])
+    engine = EngineClient(url)
+    try:
+        push_weights(engine, model, 5)
+        producer.control.run_id = "run-a"  # what the trainer's `restore` sets
+        producer.state.inflight["e0-i0"] = producer.pool.submit(producer.generate_group, "e0-i0", 0)
+        freeze_mid_sample(engine)
+        engine.pause("abort")
+        push_weights(engine, model, 3)  # the restarted trainer's checkpoint of step 3
+        engine.resume()
+        producer.state.inflight["e0-i0"].result(timeout=120)
+        producer.collect()  # encodes the group for the reward stage
+        assert not producer.state.inflight and len(producer.outbox) == 1
+        group = decode_rollout(producer.outbox[0][1])
+    finally:
+        producer.close()
+        ctx.destroy(linger=0)
+    for s in group.samples:
+        assert s.versions[0] == 5 and s.versions[-1] == 3 and np.sum(s.versions == 5) >= MIN_DECODED
+        assert (s.oldest_version, s.newest_version) == (3, 5)
+    assert (group.oldest_version, group.newest_version) == (3, 5)
+    # the restarted trainer's step 4 trains version 3: neither fresher than 3 nor admitted with version 5 in it
+    assert staleness(4, group.oldest_version) == 0
+    assert refusal(4, oldest_version=group.oldest_version, newest_version=group.newest_version, is_consumed=False,
+                   max_staleness=2, has_signal=True, skip_zero_variance=False) == FUTURE
 
 
 SHORT = ["--trainer.num_steps=6", "--trainer.batch_groups=4", "--rollout.group_size=4",

@@ -71,7 +71,7 @@ def test_no_signal_groups_stay_out_of_the_run_and_out_of_the_status(engine_url, 
     try:
         issued = [producer.ledger.next_group()[0] for _ in range(1000)]
         skipped = issued[::2]
-        status = producer.on_commit(1, issued[1::2], [], skipped)
+        status = producer.on_commit(1, issued[1::2], {}, skipped)
         reply = decode_reply(encode_reply("r1", "inc", status))
         assert ProducerStatus.from_result(reply.result).dropped_for_good == {}
         assert producer.ledger.dropped_for_good == dict.fromkeys(skipped, NO_SIGNAL)

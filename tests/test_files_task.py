@@ -1,19 +1,25 @@
 """A user's data file as the task: JSONL, JSON, Parquet and datasets directories, dotted keys, chat
 messages, the seeded order and the held-out slice; a bad file stops the stage with one line naming
-the file, the line and the key. Also the prompt path: chat template, end-of-turn and stop ids.
+the file, the line and the key. Also the prompt path: chat template, end-of-turn and stop ids, and a
+real engine stopping on them.
 Run: pytest tests/test_files_task.py
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import zmq
 
+from conftest import start_engine, stop_process
 from harness.servers import REPO_ROOT, proc_command
+from nano_miles.engine.client import EngineClient
 from nano_miles.run.cli import UserError
-from nano_miles.run.config import Config, RunConfig, TaskConfig
+from nano_miles.run.config import Config, RunConfig, TaskConfig, load_config
+from nano_miles.stages.rollout.producer import RolloutProducer
 from nano_miles.tasks import Problem, load_problems
 from nano_miles.tasks.files import read_problems
 from nano_miles.tasks.prompts import encode_prompts, end_of_turn_id, load_tokenizer, prompt_text, stop_token_ids
@@ -133,6 +139,48 @@ def test_chat_template_prompts_and_stop_ids(policy_dir):
     assert stop_token_ids(policy_dir, tokenizer, chat_template=True) == sorted({tokenizer.eos_token_id, im_end})
     with pytest.raises(UserError, match="needs task.chat_template=true"):
         prompt_text(tokenizer, ({"role": "user", "content": "hi"},), chat_template=False)
+
+
+@pytest.fixture(scope="module")
+def chat_model_without_turn_end(policy_dir, tmp_path_factory):
+    """(model dir, engine URL): the shipped chat policy with a generation_config.json that names only
+    <eos> (as many chat models ship it), served by a real local engine."""
+    model_dir = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(policy_dir, model_dir)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": 1}))
+    proc, url = start_engine(model_dir, model_dir.parent / "engine.log")
+    yield model_dir, url
+    stop_process(proc)
+
+
+def test_generation_stops_at_the_templates_end_of_turn_that_generation_config_does_not_name(
+        chat_model_without_turn_end, tmp_path):
+    model_dir, url = chat_model_without_turn_end
+    tokenizer = load_tokenizer(model_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end not in stop_token_ids(model_dir, tokenizer, chat_template=False)  # neither config names it
+    stops = stop_token_ids(model_dir, tokenizer, chat_template=True)
+    assert stops == sorted({tokenizer.eos_token_id, im_end})
+    # the rollout stage's path: the prompt through the template, the stop ids procs/rollout.py gives it
+    cfg = load_config(overrides=[f"--model.path={model_dir}", f"--engine.port={url.rsplit(':', 1)[1]}",
+                                 "--task.chat_template=true", "--rollout.group_size=2", "--rollout.max_new_tokens=64",
+                                 "--rollout.temperature=0", f"--rollout.control_endpoint=ipc://{tmp_path}/c",
+                                 f"--reward.endpoint=ipc://{tmp_path}/r", "--rollout.metrics_port=0"])
+    problems = [Problem(r["question"], r["answer"]) for r in make_records("test", 3)]
+    ctx = zmq.Context()
+    producer = RolloutProducer(cfg, ctx, problems, encode_prompts(tokenizer, problems, cfg.task), stops)
+    try:
+        samples = [s for i in range(len(problems)) for s in producer.generate_group(f"e0-i{i}", i).samples]
+    finally:
+        producer.close()
+        ctx.destroy(linger=0)
+    for s in samples:  # each answer ends its turn, and generation ends with it
+        assert s.finish_reason == "stop" and s.response_tokens[-1] == im_end, tokenizer.decode(s.response_tokens)
+        assert im_end not in s.response_tokens[:-1] and len(s.response_tokens) < 64
+    # the engine alone stops only on the model's EOS: past the end of the turn, to the token limit
+    alone = EngineClient(url).generate(producer.prompt_ids[0], {"max_new_tokens": 64, "temperature": 0.0})
+    assert alone["meta_info"]["finish_reason"]["type"] == "length" and im_end in alone["output_ids"]
 
 
 def test_the_example_data_is_what_its_generator_writes():

@@ -82,7 +82,7 @@ def mutated(draw):
 def requests(draw):
     """Well-framed control requests with wrong arguments: past the framing checks, into the commands."""
     cmd = draw(st.one_of(st.sampled_from(sorted(COMMANDS)), st.text(max_size=8)))
-    args = draw(st.dictionaries(st.sampled_from(["mode", "version", "step", "group_ids", "dropped_group_ids", "no_signal_group_ids",
+    args = draw(st.dictionaries(st.sampled_from(["mode", "version", "step", "group_ids", "dropped_attempts", "no_signal_group_ids",
                                                  "state", "x"]), values, max_size=3))
     req_id = draw(st.one_of(st.text(min_size=1, max_size=12), values))
     return msgpack.packb({"v": CONTROL_SCHEMA_VERSION, "kind": "request", "cmd": cmd, "req_id": req_id, "args": args})
@@ -110,7 +110,7 @@ def test_decoders_mutated_messages(data):
 def server(tmp_path_factory):
     ctx = zmq.Context()
     handlers = {"pause": lambda mode: {"paused": True}, "resume": lambda version: {"version": version},
-                "commit": lambda step, group_ids, dropped_group_ids, no_signal_group_ids: {"step": step},
+                "commit": lambda step, group_ids, dropped_attempts, no_signal_group_ids: {"step": step},
                 "restore": lambda state: {}, "status": lambda: {"waiting_for": "nothing"}}
     srv = ControlServer(ctx, f"ipc://{tmp_path_factory.mktemp('control')}/control.sock", handlers)
     yield srv

@@ -29,7 +29,7 @@ def test_dropped_groups_come_back_trained_ones_never():
     ledger = Ledger(num_items=100, lease_s=10)
     issue(ledger, 2)
     ledger.on_trained(["e0-i0"])
-    ledger.on_dropped(["e0-i1", "e0-i0"])  # a stale copy of an already trained group is ignored
+    ledger.on_dropped({"e0-i1": 0, "e0-i0": 0})  # a stale copy of an already trained group is ignored
     assert ledger.next_group(1.0)[0] == "e0-i1"
     assert ledger.next_group(1.0)[0] == "e0-i2"
 
@@ -80,7 +80,7 @@ def test_every_prompt_once_under_random_failures():
                 trained_at[gid] = int(now)
                 ledger.on_trained([gid])
             elif fate < 0.8:
-                ledger.on_dropped([gid])
+                ledger.on_dropped({gid: ledger.attempts[gid]})
             # else: lost in a buffer; the lease brings it back
         ledger.expire(now)
     positions = sorted(position_of(g, ledger.num_items) for g in trained_at)
@@ -90,6 +90,17 @@ def test_every_prompt_once_under_random_failures():
 def test_a_refused_id_this_producer_never_issued_is_not_issued():
     ledger = Ledger(num_items=10_000, lease_s=60)
     issue(ledger, 2)
-    ledger.on_dropped(["e0-i5000", "e0-i1"])  # a stray message's id, and one of ours
+    ledger.on_dropped({"e0-i5000": 0, "e0-i1": 0})  # a stray message's id, and one of ours
     assert issue(ledger, 2) == ["e0-i1", "e0-i2"]
     assert ledger.cursor == 3
+
+
+def test_a_refused_copy_sends_its_group_back_only_while_it_is_the_copy_out():
+    ledger = Ledger(num_items=100, lease_s=10)
+    issue(ledger, 2, now_s=0.0)
+    ledger.restore([], cursor=0)  # the trainer restarted: both go back in line and out again
+    assert [ledger.next_group(1.0)[:3:2] for _ in range(2)] == [("e0-i0", 1), ("e0-i1", 1)]
+    ledger.on_dropped({"e0-i0": 0, "e0-i1": 1})  # e0-i0's refused copy is the old one; e0-i1's is the one out
+    assert ledger.next_group(2.0) == ("e0-i1", 1, 2)
+    assert ledger.next_group(2.0)[0] == "e0-i2"
+    assert ledger.budget_used() == 3

@@ -34,7 +34,7 @@ class Counting:
             self.version = version
             return {"version": version}
 
-        def commit(step, group_ids, dropped_group_ids, no_signal_group_ids):
+        def commit(step, group_ids, dropped_attempts, no_signal_group_ids):
             self.calls["commit"] += 1
             return {"num_ids": len(group_ids)}
         return {"pause": pause, "resume": resume, "commit": commit}
@@ -55,7 +55,7 @@ def test_repeated_req_id_runs_once_and_gets_the_same_reply(ctx, tmp_path):
     server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers())
     req = make_socket(ctx, zmq.REQ, f"ipc://{tmp_path}/c", bind=False)
     payloads = [encode_request("commit", "same-id", "run-a", step=3, group_ids=["e0-i1", "e0-i2"],
-                               dropped_group_ids=[], no_signal_group_ids=[]),
+                               dropped_attempts={}, no_signal_group_ids=[]),
                 encode_request("pause", "p1", "run-a", mode="abort")]
     replies = []
     for payload in payloads + payloads:
@@ -138,9 +138,9 @@ def test_a_server_claimed_by_one_run_refuses_and_counts_another(ctx, tmp_path):
     leftover = ControlClient(ctx, f"ipc://{tmp_path}/c", run_id="run-b", timeout_s=1.0, retries=2)
     try:
         leftover.request("pause", mode="abort")  # before any claim a server serves whoever asks
-        ours.request("commit", step=1, group_ids=["e0-i0"], dropped_group_ids=[], no_signal_group_ids=[])  # the claim
+        ours.request("commit", step=1, group_ids=["e0-i0"], dropped_attempts={}, no_signal_group_ids=[])  # the claim
         with pytest.raises(ControlError, match="foreign run: run-b"):
-            leftover.request("commit", step=9, group_ids=["e0-i9"], dropped_group_ids=[], no_signal_group_ids=[])
+            leftover.request("commit", step=9, group_ids=["e0-i9"], dropped_attempts={}, no_signal_group_ids=[])
         with pytest.raises(ControlError, match="foreign run: run-b"):
             leftover.request("resume", version=9)
         assert ours.request("resume", version=2) == {"version": 2}

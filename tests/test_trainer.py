@@ -20,7 +20,7 @@ from nano_miles.stages.trainer.step_loop import Trainer
 from nano_miles.tasks.prompts import encode_prompts
 from nano_miles.tasks.arithmetic import make_expressions, make_problems
 from nano_miles.wire.codec import make_group_id
-from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup
+from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup, encode_scored
 
 TEMPERATURE = 0.8
 TIS_CLIP = 1.5
@@ -167,3 +167,36 @@ def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_t
                                   AutoModelForCausalLM.from_pretrained(str(policy_dir)).parameters()):
         assert torch.equal(p, q), name
         assert not torch.equal(p, base), name  # four steps moved every parameter
+
+
+def with_versions(sample: Sample, first: int, last: int) -> Sample:
+    """The sample with its first half of tokens made by version `first` and the rest by `last`."""
+    versions = np.full(len(sample.response_tokens), last, np.int32)
+    versions[:len(versions) // 2] = first
+    return Sample(sample.response_tokens, sample.logprobs, versions, sample.finish_reason)
+
+
+def test_staleness_counts_from_a_samples_oldest_token_first_or_last(make_trainer, policy_dir):
+    """A sample resumed across an update starts older than it ends (1 then 2); one resumed after a
+    restart from an older checkpoint ends older than it starts (2 then 1). Either way the trainer
+    admits and measures it by its oldest token, through its real socket and step statistics."""
+    trainer = make_trainer("--run.mode=async", "--run.max_staleness=1", "--trainer.batch_groups=2")
+    groups = scored_groups(policy_dir, 0, [0.0])
+    for sg, (first, last) in zip(groups, [(1, 2), (2, 1)]):
+        sg.group.run_id = trainer.state.run_id
+        sg.group.samples = [with_versions(sg.group.samples[0], first, last), with_versions(sg.group.samples[1], 2, 2)]
+    push = trainer.pull.context.socket(zmq.PUSH)
+    push.connect(trainer.pull.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        for sg in groups:
+            push.send(encode_scored(sg))
+        trainer.state.step = 3  # trains on version 2: both groups are one version stale
+        batch, _ = trainer.pull_batch()
+    finally:
+        push.close(linger=0)
+    assert [sg.group.oldest_version for sg in batch] == [1, 1] and trainer.drops == {}
+    # one observation per admitted group, from the group's oldest token
+    assert trainer.metrics.registry.get_sample_value("nanomiles_staleness_versions_sum") == 2
+    stats = trainer.optimize(batch).as_dict()
+    assert stats["staleness_hist"] == {"0": 2, "1": 2}  # per sample: the two mixed ones are 1 stale
+    assert (stats["staleness_max"], stats["version_oldest"]) == (1, 1)

@@ -66,8 +66,8 @@ def fixed_controls() -> dict[str, bytes]:
             "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
 
 
-# schema version of each golden message: data plane v2, control plane v4
-GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 4, "reply_status": 4}
+# schema version of each golden message: data plane v2, control plane v5
+GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 5, "reply_status": 5}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -89,6 +89,18 @@ def test_golden_decodes_back_equal():
     assert scored == fixed_scored()
     assert scored != ScoredGroup(fixed_group(), f32(1, 1), f32(0, 0))  # equality is not vacuous
     assert not scored.rewards.flags.writeable  # a zero-copy view over the received bytes
+
+
+def test_versions_that_go_down_travel_and_count_from_their_oldest():
+    """A sample resumed after a trainer restarted from an older checkpoint goes down in version: it
+    is a valid group whose oldest and newest versions are taken over every token, not its ends."""
+    g = fixed_group()
+    g.samples = [Sample(i32(5, 6, 7, 2), f32(-0.5, -1.25, -0.0, -3.0), i32(5, 5, 3, 3), "stop"),
+                 Sample(i32(8, 9), f32(-0.75, -2.0), i32(4, 4), "length")]
+    back = decode_rollout(encode_rollout(g))
+    assert back == g and back.samples[0].versions.tolist() == [5, 5, 3, 3]
+    assert (back.samples[0].oldest_version, back.samples[0].newest_version) == (3, 5)
+    assert (back.oldest_version, back.newest_version) == (3, 5)
 
 
 def le_bytes(fmt: str, *values) -> bytes:
@@ -164,7 +176,7 @@ def test_control_round_trip():
     state = RestoreState(step=3, version=3, committed_group_ids=["e0-i5"], cursor=20001,
                          no_signal_group_ids=["e0-i4"])
     cases = [("pause", {"mode": "retract"}), ("resume", {"version": 4}),
-             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_group_ids": ["e0-i2"],
+             ("commit", {"step": 3, "group_ids": ["e0-i5", "e1-i0"], "dropped_attempts": {"e0-i2": 1},
                          "no_signal_group_ids": ["e0-i3"]}), ("restore", {"state": state}), ("status", {})]
     for cmd, args in cases:
         assert decode_request(encode_request(cmd, "r1", "run-a", **args)) == ControlRequest(cmd, "r1", args, "run-a")
@@ -230,10 +242,8 @@ ROLLOUT_CASES = [
      r"samples\[0\].logprobs: non-finite value nan at position 1"),
     ("inf logprob", lambda m: s0(m).update(logprobs=f32(-1, -1, -1, -np.inf).tobytes()),
      r"samples\[0\].logprobs: non-finite value -inf at position 3"),
-    ("decreasing versions", lambda m: s0(m).update(versions=i32(4, 5, 4, 5).tobytes()),
-     r"samples\[0\].versions: decreasing at position 2 \(5 -> 4\)"),
-    ("negative version", lambda m: s0(m).update(versions=i32(-1, 0, 0, 0).tobytes()),
-     r"samples\[0\].versions: negative version -1"),
+    ("negative version", lambda m: s0(m).update(versions=i32(0, 0, -1, 0).tobytes()),
+     r"samples\[0\].versions: negative version -1 at position 2"),
     ("empty response", lambda m: s0(m).update(response_tokens=b"", logprobs=b"", versions=b""),
      r"samples\[0\].response_tokens: empty"),
     ("bad finish reason", lambda m: s0(m).update(finish_reason="eos"), r"samples\[0\].finish_reason: 'eos' not in"),
@@ -295,8 +305,8 @@ def test_size_limit_is_checked_before_unpacking():
 
 def test_encoders_validate():
     g = fixed_group()
-    g.samples[1] = Sample(i32(1, 2), f32(-1, -1), i32(3, 2), "stop")
-    with pytest.raises(WireError, match=r"samples\[1\].versions: decreasing"):
+    g.samples[1] = Sample(i32(1, 2), f32(-1, -1), i32(3, -2), "stop")
+    with pytest.raises(WireError, match=r"samples\[1\].versions: negative version -2"):
         encode_rollout(g)
     g = fixed_group()
     g.samples[0].logprobs = g.samples[0].logprobs.astype(np.float64)
@@ -337,12 +347,16 @@ def test_status_with_more_drops_than_a_plain_map_may_hold():
     ("pause", {}, "args.mode: missing"),
     ("resume", {"version": -1}, "args.version: expected an int >= 0"),
     ("resume", {"version": 1.0}, "args.version: expected an int >= 0"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_group_ids": [], "no_signal_group_ids": []},
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "oops"], "dropped_attempts": {}, "no_signal_group_ids": []},
      r"args.group_ids\[1\]: 'oops' is not of the form"),
-    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_group_ids": [], "no_signal_group_ids": []},
+    ("commit", {"step": 1, "group_ids": ["e0-i1", "e0-i1"], "dropped_attempts": {}, "no_signal_group_ids": []},
      "args.group_ids: duplicate group id 'e0-i1'"),
-    ("commit", {"step": 1, "group_ids": []}, "args.dropped_group_ids: missing"),
-    ("commit", {"step": 1, "group_ids": [], "dropped_group_ids": []}, "args.no_signal_group_ids: missing"),
+    ("commit", {"step": 1, "group_ids": []}, "args.dropped_attempts: missing"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": ["e0-i2"]}, "args.dropped_attempts: expected a map"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": {"oops": 0}}, "args.dropped_attempts key: 'oops'"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": {"e0-i2": -1}},
+     "args.dropped_attempts.e0-i2: expected an int >= 0"),
+    ("commit", {"step": 1, "group_ids": [], "dropped_attempts": {}}, "args.no_signal_group_ids: missing"),
     ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": []}}, "args.state.cursor: missing"),
     ("restore", {"state": {"step": 1, "version": 1, "committed_group_ids": [], "cursor": "3"}},
      "args.state.cursor: expected int"),

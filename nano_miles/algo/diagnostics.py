@@ -137,7 +137,7 @@ class StepStats:
         names = sorted({k for g in groups for k in g.reward_parts})
         parts = {k: float(np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups]).mean())
                  for k in names}
-        oldest = np.array([int(s.versions[0]) for g in groups for s in g.group.samples])
+        oldest = np.array([s.oldest_version for g in groups for s in g.group.samples])
         staleness = (step - 1) - oldest
         values, counts = np.unique(staleness, return_counts=True)
         return cls(reward=float(rewards.mean()), format=parts.pop("format", None),

@@ -21,7 +21,10 @@ except where SGLang's behaviour would hurt a training loop or needs machinery th
   logprobs are kept; `num_retractions` counts it); `in_place` keeps the KV cache.
 * `update_weights_from_tensor` without a pause is applied at the next step boundary and running
   requests continue on the new weights (SGLang waits until every in-flight request finished). Its
-  `flush_cache` flag has nothing to flush. One tensor-parallel rank: only entry 0 is read.
+  `flush_cache` flag has nothing to flush. One tensor-parallel rank: only entry 0 is read. Every
+  weight update is read and checked on its HTTP handler thread (only the copy waits for the step
+  boundary): a payload that does not decode, or whose tensors do not fit the model, is a 400
+  `{"success": false}` and leaves model and version as they were.
 * `/health_generate` on a paused engine answers 503 at once (SGLang blocks, then 503 after 20 s);
   `/health` does not run a generation.
 """

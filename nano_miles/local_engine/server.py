@@ -27,8 +27,8 @@ from nano_miles.local_engine.scheduler import Request, Scheduler, SchedulerStopp
 from nano_miles.local_engine.weight_group import WeightGroups
 from nano_miles.observe.metrics import EngineMetrics
 from nano_miles.weights.broadcast_group import WeightTransportError
-from nano_miles.weights.named_tensors import copy_into_model, load_safetensors_dir
-from nano_miles.weights.tensor_receiver import apply_weight_update
+from nano_miles.weights.named_tensors import WeightUpdateError, copy_planned, plan_copy, read_safetensors_dir
+from nano_miles.weights.tensor_receiver import keep_mapped, read_weight_update
 from nano_miles.wire.control import PAUSE_MODES
 
 log = logging.getLogger(__name__)
@@ -247,14 +247,15 @@ class EngineHandler(BaseHTTPRequestHandler):
             raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
         if not (load_format is None or isinstance(load_format, str)):
             raise ValueError("load_format must be a string or null")
-        self._update_weights(lambda model: apply_weight_update(model, serialized, load_format))
+        if not isinstance(self.body.get("flush_cache", True), bool):  # nothing to flush, but a typo is a 400
+            raise ValueError("flush_cache must be a boolean")
+        self._update_weights(lambda: read_weight_update(serialized, load_format), keep=keep_mapped)
 
     def update_weights_from_disk(self):
         model_path = self.body.get("model_path")
         if not isinstance(model_path, str) or not model_path:
             raise ValueError("model_path must be a non-empty string")
-        self._update_weights(lambda model: load_safetensors_dir(model, model_path),
-                             extra={"num_paused_requests": 0})
+        self._update_weights(lambda: read_safetensors_dir(model_path), extra={"num_paused_requests": 0})
 
     def init_weights_update_group(self):
         self.server.state.weight_groups.init(self.body)  # blocks until every rank joined
@@ -271,30 +272,41 @@ class EngineHandler(BaseHTTPRequestHandler):
             log.warning("weight broadcast failed: %s", e)
             self._json(400, {"success": False, "message": f"Failed to receive weights: {e}"})
             return
-        self._update_weights(lambda model: copy_into_model(model, named))
+        self._update_weights(lambda: named)
 
-    def _update_weights(self, load: Callable, extra: dict | None = None) -> None:
-        """Run `load(model)` on the scheduler thread between two forwards; set weight_version."""
+    def _update_weights(self, read: Callable[[], list], extra: dict | None = None,
+                        keep: Callable[[list], None] | None = None) -> None:
+        """Read an update with `read()` and check it against the model here, on the handler thread;
+        then copy it in on the scheduler thread between two forwards and set weight_version.
+
+        The request's bytes are decoded only here: whatever a malformed one raises ends this request
+        (a WeightUpdateError is its 400), never the scheduler thread, on which any exception other
+        than a ValueError ends the engine; generation also goes on while a payload is read and
+        checked. `keep(named)` runs after the copy (the tensor transport holds its mappings so)."""
         version = self.body.get("weight_version")
         if not (version is None or isinstance(version, str)):
             raise ValueError("weight_version must be a string or null")
         scheduler = self.server.state.scheduler
+        try:
+            named = read()
+            plan = plan_copy(scheduler.model, named)
+        except WeightUpdateError as e:
+            log.warning("weight update rejected: %s", e)
+            self._json(400, {"success": False, "message": f"Failed to update weights: {e}", **(extra or {})})
+            return
 
         def apply() -> int:
             start_s = time.perf_counter()
-            num_tensors = load(scheduler.model)
+            num_tensors = copy_planned(plan)
+            if keep is not None:
+                keep(named)
             if version is not None:
                 scheduler.weight_version = version
             log.info("weights updated: %d tensors in %.1f ms, weight_version=%s", num_tensors,
                      1000 * (time.perf_counter() - start_s), scheduler.weight_version)
             return num_tensors
 
-        try:
-            scheduler.run_in_loop(apply, CONTROL_TIMEOUT_S)
-        except ValueError as e:  # WeightUpdateError is a ValueError
-            log.warning("weight update rejected: %s", e)
-            self._json(400, {"success": False, "message": f"Failed to update weights: {e}", **(extra or {})})
-            return
+        scheduler.run_in_loop(apply, CONTROL_TIMEOUT_S)
         message = "Success." + (f" Weight version updated to {version}." if version is not None else "")
         self._json(200, {"success": True, "message": message, **(extra or {})})
 

@@ -45,11 +45,16 @@ def split_into_buckets(named: list[tuple[str, torch.Tensor]], max_bucket_bytes: 
         yield bucket
 
 
-def copy_into_model(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Copy (name, tensor) pairs into `model`'s parameters; returns how many were loaded.
+# What a float parameter takes: torch can check these for finiteness on every device it loads from.
+LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    Every name, shape and value is checked before the first copy, so a bad update leaves the model
-    untouched. A tied alias (lm_head.weight when embeddings are tied) is skipped, as SGLang does.
+
+def plan_copy(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list:
+    """Check (name, tensor) pairs against `model`'s parameters; the (parameter, tensor) pairs to copy.
+
+    Every name, shape, dtype, device and value is checked here, before `copy_planned` copies anything,
+    so a bad update leaves the model untouched: a WeightUpdateError names the first tensor that does
+    not fit. A tied alias (lm_head.weight when embeddings are tied) is skipped, as SGLang does.
     """
     params = dict(model.named_parameters())
     skip = tied_names(model)
@@ -59,21 +64,36 @@ def copy_into_model(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]
             continue
         if name not in params:
             raise WeightUpdateError(f"unknown parameter {name!r}")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise WeightUpdateError(f"{name}: shape {tuple(t.shape)} != {tuple(params[name].shape)}")
+        param = params[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise WeightUpdateError(f"{name}: shape {tuple(t.shape)} != {tuple(param.shape)}")
+        if t.dtype not in LOADABLE_DTYPES:
+            raise WeightUpdateError(f"{name}: dtype {t.dtype} is not one of {[str(d) for d in LOADABLE_DTYPES]}")
+        if t.device.type not in ("cpu", param.device.type):  # a meta tensor holds no values at all
+            raise WeightUpdateError(f"{name}: a tensor on device {t.device} cannot load into {param.device}")
         # One reduction instead of an elementwise mask (10x cheaper): NaN or inf anywhere makes
         # the sum non-finite; finite weights never come near float overflow.
-        if not t.is_floating_point() or not torch.isfinite(t.sum()):
+        if not torch.isfinite(t.sum()):
             raise WeightUpdateError(f"{name}: values must be finite floats")
-        plan.append((params[name], t))
+        plan.append((param, t))
+    return plan
+
+
+def copy_planned(plan: list) -> int:
+    """Copy what `plan_copy` checked into the parameters; returns how many were loaded."""
     with torch.no_grad():
         for param, t in plan:
             param.copy_(t)
     return len(plan)
 
 
-def load_safetensors_dir(model: torch.nn.Module, model_path: str) -> int:
-    """Every *.safetensors file of an HF directory into `model` (a checkpoint, /update_weights_from_disk)."""
+def copy_into_model(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Check, then copy (name, tensor) pairs into `model`'s parameters; returns how many were loaded."""
+    return copy_planned(plan_copy(model, named))
+
+
+def read_safetensors_dir(model_path: str) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file of an HF directory (a checkpoint), by name."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -86,6 +106,9 @@ def load_safetensors_dir(model: torch.nn.Module, model_path: str) -> int:
             named += list(load_file(str(f)).items())
     except (SafetensorError, OSError) as e:
         raise WeightUpdateError(f"cannot read {model_path}: {e}") from None
-    return copy_into_model(model, named)
+    return named
 
 
+def load_safetensors_dir(model: torch.nn.Module, model_path: str) -> int:
+    """Every *.safetensors file of an HF directory into `model` (a checkpoint)."""
+    return copy_into_model(model, read_safetensors_dir(model_path))

@@ -47,7 +47,8 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `serialize_named_tensors`, through the allow-listed unpickler."""
+    """Inverse of `serialize_named_tensors`, through the allow-listed unpickler; WeightUpdateError
+    for any payload that does not rebuild into a non-empty list of (name, tensor) pairs."""
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -57,20 +58,25 @@ def deserialize_named_tensors(payload: str | bytes) -> list[tuple[str, torch.Ten
         obj = SafeUnpickler(io.BytesIO(raw)).load()
     except WeightUpdateError:
         raise
-    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, RuntimeError, ValueError,
-            IndexError, KeyError, OSError) as e:
+    except Exception as e:
+        # The bytes are the client's, and so are the arguments the allow-listed torch functions get
+        # from them; what those raise on bad arguments is not documented (OverflowError for a size
+        # past int64, AssertionError for bad metadata, ...). Whatever it is, the payload is at fault.
         raise WeightUpdateError(f"cannot rebuild tensors: {type(e).__name__}: {e}") from None
     if not isinstance(obj, list) or not all(
         isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
         and isinstance(item[1], torch.Tensor) for item in obj
     ):
         raise WeightUpdateError("payload must be a list of (name: str, tensor) pairs")
+    if not obj:
+        raise WeightUpdateError("payload holds no tensors")
     return obj
 
 
-def apply_weight_update(model: torch.nn.Module, serialized_named_tensors: list[str],
-                        load_format: str | None = None) -> int:
-    """Rebuild the payload of `/update_weights_from_tensor` and copy it into `model`."""
+def read_weight_update(serialized_named_tensors: list[str], load_format: str | None = None
+                       ) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of an `/update_weights_from_tensor` body's fields; WeightUpdateError
+    for anything malformed. The engine calls it on the HTTP handler thread, never on the scheduler's."""
     if load_format not in (None, "direct"):
         raise WeightUpdateError(f"load_format {load_format!r} is not supported by this engine "
                                 "(use null)")
@@ -78,13 +84,25 @@ def apply_weight_update(model: torch.nn.Module, serialized_named_tensors: list[s
             or not isinstance(serialized_named_tensors[0], str):
         raise WeightUpdateError("serialized_named_tensors must be a list holding one string "
                                 "(this engine has one tensor-parallel rank)")
-    named = deserialize_named_tensors(serialized_named_tensors[0])
-    num_loaded = copy_into_model(model, named)
-    # Hold the mapped segments until the next update. Dropping the last mapping lets torch's
-    # refcount in the segment reach zero and unlink it while the trainer still uses it (a later
-    # update then fails with "unable to open shared memory object"); kept, the next update of the
-    # same parameters also reuses the mapping instead of faulting every page in again.
+    return deserialize_named_tensors(serialized_named_tensors[0])
+
+
+def keep_mapped(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Hold an applied update's mapped segments until the next update is applied.
+
+    Dropping the last mapping lets torch's refcount in the segment reach zero and unlink it while the
+    trainer still uses it (a later update then fails with "unable to open shared memory object");
+    kept, the next update of the same parameters also reuses the mapping instead of faulting every
+    page in again."""
     _LIVE_PAYLOAD[:] = named
+
+
+def apply_weight_update(model: torch.nn.Module, serialized_named_tensors: list[str],
+                        load_format: str | None = None) -> int:
+    """Rebuild the payload of `/update_weights_from_tensor` and copy it into `model` (all in one
+    thread; the engine splits it: `read_weight_update` and `plan_copy` on the HTTP handler thread, then
+    `copy_planned` and `keep_mapped` on the scheduler thread)."""
+    named = read_weight_update(serialized_named_tensors, load_format)
+    num_loaded = copy_into_model(model, named)
+    keep_mapped(named)
     return num_loaded
-
-

@@ -2,7 +2,8 @@
 
 Test: `pytest tests/test_wire.py`. Framing, limits and WireError are those of `codec.py`; control messages
 carry schema version `v` = CONTROL_SCHEMA_VERSION (3: every request names its run; `restore` carries the
-token count goodput divides by; 4: `commit` and `restore` carry the groups consumed without signal).
+token count goodput divides by; 4: `commit` and `restore` carry the groups consumed without signal;
+5: `commit` names the attempt of each refused copy).
 
 Every request carries the `run_id` of the trainer's run (kept in its checkpoints). A producer takes the
 run of the first `restore` it is sent and refuses requests of any other run, so a leftover trainer of an
@@ -19,10 +20,11 @@ unknown argument keys like unknown keys anywhere else):
                              requests (their groups are re-issued), "retract" frees their KV cache and
                              re-prefills them after resume, "in_place" keeps them where they are
     resume(version)          version >= 0: the weight version the engine now serves
-    commit(step, group_ids, dropped_group_ids, no_signal_group_ids)
+    commit(step, group_ids, dropped_attempts, no_signal_group_ids)
                              step >= 0; group_ids: the groups trained at that step (now in the
-                             trainer's model); dropped_group_ids: groups the trainer refused since its
-                             last commit (stale, from weights it no longer has): issue them again;
+                             trainer's model); dropped_attempts: group id -> attempt of the copy the
+                             trainer refused since its last commit (stale, from weights it no longer
+                             has): issue the group again unless a later copy is already on its way;
                              no_signal_group_ids: groups it consumed without training since its last
                              commit (trainer.skip_zero_variance: all rewards equal): never issue them again
     restore(state)           state: a RestoreState {step, version, committed_group_ids, cursor,
@@ -45,7 +47,7 @@ import msgpack
 from nano_miles.algo.admission import NO_SIGNAL  # a reason the ledger and the status carry
 from nano_miles.wire.codec import WireError, check_count, check_text_id, get, parse_group_id, unpack_message
 
-CONTROL_SCHEMA_VERSION = 4
+CONTROL_SCHEMA_VERSION = 5
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
@@ -134,6 +136,16 @@ def _group_ids(value: object, where: str) -> list[str]:
     return list(value)
 
 
+def _attempts(value: object, where: str) -> dict[str, int]:
+    """A map of group id -> attempt (a count)."""
+    if not isinstance(value, dict) or len(value) > MAX_GROUP_IDS:
+        raise WireError(f"{where}: expected a map of at most {MAX_GROUP_IDS} group ids to attempts")
+    for group_id, attempt in value.items():
+        parse_group_id(group_id, f"{where} key")
+        check_count(attempt, f"{where}.{group_id}")
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class RestoreState:
     """The trainer's durable state, which `restore` hands to a (re)started producer."""
@@ -169,7 +181,7 @@ def _restore_state(value: object, where: str) -> RestoreState:
 COMMANDS: dict[str, dict[str, Callable[[object, str], Any]]] = {
     "pause": {"mode": _pause_mode},
     "resume": {"version": check_count},
-    "commit": {"step": check_count, "group_ids": _group_ids, "dropped_group_ids": _group_ids,
+    "commit": {"step": check_count, "group_ids": _group_ids, "dropped_attempts": _attempts,
                "no_signal_group_ids": _group_ids},
     "restore": {"state": _restore_state},
     "status": {},
@@ -225,7 +237,9 @@ def encode_request(cmd: str, req_id: str, run_id: str, **args: Any) -> bytes:
 
 def decode_request(data: bytes | bytearray | memoryview) -> ControlRequest:
     """The ControlRequest in one `kind="request"` message; WireError naming the field otherwise."""
-    m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, versions=(CONTROL_SCHEMA_VERSION,))
+    # a commit names its refused copies in a map keyed by id: bounded like the id lists
+    m = unpack_message(data, ("request",), max_array_items=MAX_GROUP_IDS, max_map_items=MAX_GROUP_IDS,
+                       versions=(CONTROL_SCHEMA_VERSION,))
     cmd = get(m, "cmd", str, "")
     req_id = check_text_id(get(m, "req_id", str, ""), "req_id")
     run_id = check_text_id(get(m, "run_id", str, ""), "run_id")

@@ -40,9 +40,20 @@ class Sample:
 
     response_tokens: np.ndarray  # int32 (R,): token ids, >= 0, never re-tokenized
     logprobs: np.ndarray         # float32 (R,): behaviour-policy logprob of each token (nats), finite
-    versions: np.ndarray         # int32 (R,): weight version that generated each token; >= 0 and
-                                 # non-decreasing (a sample that lived through a weight update spans two)
+    versions: np.ndarray         # int32 (R,): weight version that generated each token, >= 0, in token
+                                 # order: a sample that lived through a weight update spans two, and they
+                                 # go down where a trainer restarted from an older checkpoint meanwhile
     finish_reason: str           # one of FINISH_REASONS
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version any of its tokens was generated under (not always the first's)."""
+        return int(self.versions.min())
+
+    @property
+    def newest_version(self) -> int:
+        """The newest weight version any of its tokens was generated under (not always the last's)."""
+        return int(self.versions.max())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
@@ -68,7 +79,12 @@ class RolloutGroup:
     @property
     def oldest_version(self) -> int:
         """The oldest weight version any token was generated under (staleness is measured from it)."""
-        return min(int(s.versions[0]) for s in self.samples)  # versions are non-decreasing
+        return min(s.oldest_version for s in self.samples)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest weight version any token was generated under (a rolled-back one is refused)."""
+        return max(s.newest_version for s in self.samples)
 
     @property
     def num_tokens(self) -> int:
@@ -117,14 +133,12 @@ def validate_rollout(group: RolloutGroup) -> None:
     samples = group.samples
     if not isinstance(samples, list) or not 1 <= len(samples) <= MAX_SAMPLES_PER_GROUP:
         raise WireError(f"samples: expected a list of 1..{MAX_SAMPLES_PER_GROUP} samples, got {_show(samples)}")
-    ends = []  # where each sample ends in the concatenation of all responses
     for i, s in enumerate(samples):
         # Fast path without building error strings; the precise checks run only to explain a failure.
         num = len(s.response_tokens) if isinstance(s, Sample) and _is_vector(s.response_tokens, "i") else 0
         if not (0 < num <= MAX_TOKENS_PER_SEQUENCE - num_prompt and _is_vector(s.logprobs, "f", num)
                 and _is_vector(s.versions, "i", num) and _is_finish_reason(s.finish_reason)):
             _explain_sample(s, f"samples[{i}]", num_prompt)
-        ends.append(num + (ends[-1] if ends else 0))
     # Values: a few numpy calls over the whole group instead of a few per sample (per-sample calls
     # cost more than the data at G=8, R=1024). Only when one fails, per-array checks name the culprit.
     tokens = np.concatenate([group.prompt_tokens, *(s.response_tokens for s in samples)])
@@ -135,10 +149,7 @@ def validate_rollout(group: RolloutGroup) -> None:
     if not np.isfinite(np.concatenate([s.logprobs for s in samples])).all():
         for i, s in enumerate(samples):
             _check_finite(s.logprobs, f"samples[{i}].logprobs")
-    versions = np.concatenate([s.versions for s in samples])
-    is_down = versions[1:] < versions[:-1]
-    is_down[[end - 1 for end in ends[:-1]]] = False  # a sample may start below where the previous one ended
-    if versions.min() < 0 or is_down.any():
+    if np.concatenate([s.versions for s in samples]).min() < 0:
         for i, s in enumerate(samples):
             _check_versions(s.versions, f"samples[{i}].versions")
     _check_map(group.metadata, "metadata", (str, int, float, bool))
@@ -210,11 +221,8 @@ def _check_finite(a: np.ndarray, where: str) -> None:
 
 
 def _check_versions(v: np.ndarray, where: str) -> None:
-    if v[0] < 0:
-        raise WireError(f"{where}: negative version {v[0]}")
-    if (v[1:] < v[:-1]).any():
-        j = int(np.flatnonzero(v[1:] < v[:-1])[0])
-        raise WireError(f"{where}: decreasing at position {j + 1} ({v[j]} -> {v[j + 1]})")
+    if v.min() < 0:
+        raise WireError(f"{where}: negative version {v.min()} at position {int(v.argmin())}")
 
 
 def _check_floats(a: object, where: str, length: int, length_of: str) -> None:

@@ -72,11 +72,13 @@ class Ledger:
             self.outstanding.pop(group_id, None)
             self.trained.add(group_id)
 
-    def on_dropped(self, group_ids: list[str]) -> None:
-        """The trainer refused these (stale, from future weights...): issue them again. Only groups out
-        from here: an id this producer never issued (a stray message) must not enter the dataset order."""
-        for group_id in group_ids:
-            if group_id in self.outstanding:
+    def on_dropped(self, attempts: dict[str, int]) -> None:
+        """The trainer refused these copies (group id -> attempt; stale, from future weights...): issue
+        their groups again. Only a group out from here, and only when the refused copy is the one out:
+        after a restart or a lease the group may already be issued again, and that copy is still on
+        its way. An id this producer never issued (a stray message) must not enter the dataset order."""
+        for group_id, attempt in attempts.items():
+            if group_id in self.outstanding and self.attempts.get(group_id) == attempt:
                 self._queue_again(group_id)
 
     def on_dropped_for_good(self, group_id: str, reason: str) -> None:

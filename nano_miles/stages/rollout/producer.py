@@ -110,10 +110,10 @@ class RolloutProducer:
                  state.step, state.version, len(self.ledger.trained), self.ledger.num_pending_reissue)
         return self.on_status(with_no_signal=True)  # a restarted trainer learns what it skipped, once
 
-    def on_commit(self, step: int, group_ids: list[str], dropped_group_ids: list[str],
+    def on_commit(self, step: int, group_ids: list[str], dropped_attempts: dict[str, int],
                   no_signal_group_ids: list[str]) -> dict:
         self.ledger.on_trained(group_ids)
-        self.ledger.on_dropped(dropped_group_ids)
+        self.ledger.on_dropped(dropped_attempts)
         for group_id in no_signal_group_ids:  # consumed by the trainer: out of the run, with why
             self.ledger.on_dropped_for_good(group_id, NO_SIGNAL)
             self.metrics.dropped_for_good.labels(NO_SIGNAL).inc()
@@ -247,7 +247,7 @@ class RolloutProducer:
                     continue
                 # the engine failed this group after every retry: it goes back in line, nothing is lost
                 log.warning("group %s failed (%s); it will be issued again", group_id, e)
-                self.ledger.on_dropped([group_id])
+                self.ledger.on_dropped({group_id: self.ledger.attempts[group_id]})
                 continue
             self.outbox.append((group, encode_rollout(group)))
             self.state.num_generated_tokens += group.num_tokens - len(group.prompt_tokens)

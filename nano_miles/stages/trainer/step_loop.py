@@ -37,7 +37,7 @@ from nano_miles.stages.trainer.peers import Peers
 from nano_miles.tasks.prompts import make_decoder
 from nano_miles.wire.codec import WireError, position_of
 from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState
-from nano_miles.wire.data import ScoredGroup, decode_scored
+from nano_miles.wire.data import RolloutGroup, ScoredGroup, decode_scored
 from nano_miles.wire.sockets import make_socket
 
 log = logging.getLogger("trainer")
@@ -63,7 +63,7 @@ class Trainer:
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc(),
                            on_restored=self.adopt_no_signal)
-        self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
+        self.dropped: dict[str, int] = {}  # id -> newest attempt refused since the last commit: re-issued
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
@@ -191,7 +191,7 @@ class Trainer:
             group = scored.group
             reason = admission.refusal(
                 self.step, oldest_version=group.oldest_version,
-                newest_version=max(int(s.versions[-1]) for s in group.samples),
+                newest_version=group.newest_version,
                 is_consumed=group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids
                 or group.group_id in batch_ids, max_staleness=self.max_staleness,
                 has_signal=bool(scored.advantages.any()), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
@@ -200,7 +200,7 @@ class Trainer:
                 batch.append(scored)
                 batch_ids.add(group.group_id)
             else:
-                self.refuse(group.group_id, reason)
+                self.refuse(group, reason)
         # dataset order, not arrival order: the same groups make the same float sums, so two runs
         # with one seed take the same step
         batch.sort(key=lambda sg: position_of(sg.group.group_id, self.num_items))
@@ -210,7 +210,7 @@ class Trainer:
         """One scored group of this run, or None after a second without one. While it waits it looks
         after the engine and the producer every CHECK_EVERY_S, and gives up after PULL_TIMEOUT_S."""
         liveness.beat("scored groups")
-        if self.dropped_ids or self.unreported_no_signal:
+        if self.dropped or self.unreported_no_signal:
             # report at once: until it hears, the producer counts them against its version gate,
             # and in sync mode it issues no replacement
             self.commit(max(0, self.step - 1), [])
@@ -242,8 +242,9 @@ class Trainer:
         self.received_times.append((stamps.get("issued", 0.0), stamps.get("generated", 0.0), time.time()))
         return scored
 
-    def refuse(self, group_id: str, reason: str) -> None:
+    def refuse(self, group: RolloutGroup, reason: str) -> None:
         """Count a refused group; the producer issues a stale or future one again, not a consumed one."""
+        group_id = group.group_id
         if reason == admission.DUPLICATE:
             self.count_drop(reason)  # consumed already: nothing to re-issue
         elif reason == admission.NO_SIGNAL:
@@ -253,7 +254,8 @@ class Trainer:
             self.unreported_no_signal.append(group_id)
             self.advance_cursor([group_id])
         else:
-            self.count_drop(reason, group_id)
+            self.count_drop(reason)
+            self.dropped[group_id] = max(group.attempt, self.dropped.get(group_id, 0))
 
     def optimize(self, groups: list[ScoredGroup]) -> StepStats:
         samples = [TrainSample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(adv))
@@ -302,16 +304,14 @@ class Trainer:
                           num_resumed_samples=p.num_resumed_samples,
                           group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
 
-    def count_drop(self, reason: str, group_id: str | None = None) -> None:
+    def count_drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
         self.metrics.drops.labels(reason).inc()
-        if group_id is not None:
-            self.dropped_ids.append(group_id)
 
     def commit(self, step: int, group_ids: list[str]) -> None:
         """Tell the producer what step `step` trained, and what was refused or consumed untrained since
         the last commit."""
-        dropped = sorted(set(self.dropped_ids) - self.trained_ids)
-        no_signal, self.dropped_ids, self.unreported_no_signal = sorted(self.unreported_no_signal), [], []
-        self.peers.request("commit", step=step, group_ids=group_ids, dropped_group_ids=dropped,
+        dropped = {g: attempt for g, attempt in sorted(self.dropped.items()) if g not in self.trained_ids}
+        no_signal, self.dropped, self.unreported_no_signal = sorted(self.unreported_no_signal), {}, []
+        self.peers.request("commit", step=step, group_ids=group_ids, dropped_attempts=dropped,
                            no_signal_group_ids=no_signal)
