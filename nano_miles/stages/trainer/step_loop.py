@@ -81,10 +81,10 @@ class Trainer:
         if self.step == 0:
             self.state.evals.append(self.evaluate())
         while self.step < self.cfg.trainer.num_steps:
-            self.state.step += 1
             liveness.beat()
             started = time.perf_counter()
             groups, wait_s = self.pull_batch()
+            self.state.step += 1  # from here on the model holds it: what `restore` and the version gate count
             self.record.write_rollouts(self.step, groups)
             self.record.write_samples(self.step, groups)
             stats = self.optimize(groups)
@@ -181,6 +181,7 @@ class Trainer:
     def pull_batch(self) -> tuple[list[ScoredGroup], float]:
         """Pull until `batch_groups` groups pass the admission rules (`nano_miles/algo/admission.py`),
         then put them in dataset order; every refused group is counted by its reason."""
+        step = self.step + 1  # the step this batch is for
         started = self.last_peer_check = time.perf_counter()
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
@@ -190,13 +191,13 @@ class Trainer:
                 continue
             group = scored.group
             reason = admission.refusal(
-                self.step, oldest_version=group.oldest_version,
+                step, oldest_version=group.oldest_version,
                 newest_version=max(int(s.versions[-1]) for s in group.samples),
                 is_consumed=group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids
                 or group.group_id in batch_ids, max_staleness=self.max_staleness,
                 has_signal=bool(scored.advantages.any()), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
             if reason is None:
-                self.metrics.staleness.observe(admission.staleness(self.step, group.oldest_version))
+                self.metrics.staleness.observe(admission.staleness(step, group.oldest_version))
                 batch.append(scored)
                 batch_ids.add(group.group_id)
             else:
@@ -213,7 +214,7 @@ class Trainer:
         if self.dropped_ids or self.unreported_no_signal:
             # report at once: until it hears, the producer counts them against its version gate,
             # and in sync mode it issues no replacement
-            self.commit(max(0, self.step - 1), [])
+            self.commit(self.step, [])
         if not self.pull.poll(1000, zmq.POLLIN):
             waited = time.perf_counter() - started
             if waited > PULL_TIMEOUT_S:
