@@ -1,14 +1,21 @@
-"""Restarting a run with another `trainer.batch_groups`: the version gate counts the trainer's steps.
+"""Restarting a run: one with another `trainer.batch_groups` goes on (the version gate counts the trainer's
+steps), one under another train split is refused.
 
-Run: `pytest tests/test_restarts.py`.
+Run: `pytest tests/test_restarts.py`. That a trainer refuses such a checkpoint in one line is pinned in
+`tests/test_trainer.py`.
 """
 
+import json
 from types import SimpleNamespace
 
+import pytest
 import zmq
 
+from nano_miles.run.cli import UserError
 from nano_miles.run.config import load_config
+from nano_miles.run.identity import refuse_another_split
 from nano_miles.stages.rollout.producer import RolloutProducer
+from nano_miles.tasks import load_problems, split_identity
 from nano_miles.wire.codec import group_id_at
 from nano_miles.wire.control import RestoreState
 
@@ -43,3 +50,16 @@ def test_a_restart_with_another_batch_size_opens_the_version_gate(tmp_path):
     finally:
         producer.close()
         ctx.term()
+
+
+def test_a_data_file_edited_under_the_same_settings_is_another_split(tmp_path):
+    """The split is its problems, not only the settings that chose them: an edited file is refused too."""
+    train = tmp_path / "train.jsonl"
+    cfg = load_config(overrides=["--task.name=nano_miles.tasks.files", f"--task.train_file={train}",
+                                 "--task.num_test=1", "--task.prompt_key=q", "--task.label_key=a"])
+    train.write_text("".join(json.dumps({"q": f"{i} + 1 =", "a": str(i + 1)}) + "\n" for i in range(5)))
+    before = split_identity(cfg, load_problems(cfg, "train"))
+    refuse_another_split(before, split_identity(cfg, load_problems(cfg, "train")), tmp_path / "step_000003")
+    train.write_text(train.read_text().replace('"a": "3"', '"a": "4"'))
+    with pytest.raises(UserError, match="problems changed under the same settings .*step_000003"):
+        refuse_another_split(before, split_identity(cfg, load_problems(cfg, "train")), tmp_path / "step_000003")

@@ -1,4 +1,5 @@
-"""The trainer's step on the shipped policy: truncated importance sampling, and resuming from a checkpoint.
+"""The trainer's step on the shipped policy: truncated importance sampling, resuming from a checkpoint,
+and what a restart refuses (another train split).
 
 Run: `pytest tests/test_trainer.py`. A real `Trainer` (its PULL socket bound on an ipc:// path under
 tmp_path) takes steps on scored groups built here; no peer is needed, since `optimize` and the
@@ -14,9 +15,11 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nano_miles.run.cli import UserError
 from nano_miles.run.config import load_config
 from nano_miles.stages.trainer.checkpoint import save_checkpoint
 from nano_miles.stages.trainer.step_loop import Trainer
+from nano_miles.tasks import load_problems, split_identity
 from nano_miles.tasks.prompts import encode_prompts
 from nano_miles.tasks.arithmetic import make_expressions, make_problems
 from nano_miles.wire.codec import make_group_id
@@ -42,7 +45,8 @@ def make_trainer(policy_dir, tmp_path, monkeypatch):
             "--trainer.metrics_port=0", "--metrics.queue_sample_s=0", f"--rollout.temperature={TEMPERATURE}",
             "--trainer.lr=1e-3", *overrides])
         model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
-        trainers.append(Trainer(cfg, ctx, model, tokenizer, evaluator=None, num_items=cfg.task.num_train))
+        trainers.append(Trainer(cfg, ctx, model, tokenizer, evaluator=None,
+                                split=split_identity(cfg, load_problems(cfg, "train"))))
         return trainers[-1]
     yield make
     for t in trainers:
@@ -167,3 +171,22 @@ def test_resumed_trainer_takes_the_same_next_step_as_an_uninterrupted_one(make_t
                                   AutoModelForCausalLM.from_pretrained(str(policy_dir)).parameters()):
         assert torch.equal(p, q), name
         assert not torch.equal(p, base), name  # four steps moved every parameter
+
+
+def test_a_checkpoint_of_another_train_split_is_refused_in_one_line(make_trainer, policy_dir):
+    """Group ids, the data cursor and the ledger are positions in the train split: under another split
+    they name other prompts (before: 840 counted where 960 were trained, earlier ids vanished)."""
+    trainer = make_trainer("--task.num_train=840")
+    take_step(trainer, scored_groups(policy_dir, 0, [0.0]))
+    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.tokenizer, trainer.learner,
+                    trainer.state)
+    with pytest.raises(UserError) as refused:
+        make_trainer("--task.num_train=960")
+    message = str(refused.value)
+    assert message.startswith("task.num_train is 960, ") and "step_000001 was made with 840" in message
+    assert "\n" not in message and "--model.path=" in message, message
+    with pytest.raises(UserError, match="task.seed is 1, .* was made with 0"):
+        make_trainer("--task.num_train=840", "--task.seed=1")
+    # a setting that leaves the problems as they were (how prompts are rendered) is no other split
+    resumed = make_trainer("--task.num_train=840", "--task.system_prompt=Be brief.")
+    assert resumed.step == 1 and resumed.trained_ids == trainer.trained_ids

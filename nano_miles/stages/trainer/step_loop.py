@@ -30,7 +30,7 @@ from nano_miles.observe.run_record import (RunRecord, StepRecord, format_step_li
                                            summarize)
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.run.identity import ensure_run_identity, write_run_identity
+from nano_miles.run.identity import ensure_run_identity, refuse_another_split, write_run_identity
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
@@ -47,7 +47,8 @@ CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, num_items: int):
+    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, split: dict):
+        """`split`: `nano_miles.tasks.split_identity` of the train split the group ids number."""
         self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
@@ -56,9 +57,9 @@ class Trainer:
         self.max_staleness = cfg.run.effective_max_staleness
         self.run_dir = cfg.run_dir
         self.state = TrainerState()
-        self.resume_from_checkpoint()
+        self.resume_from_checkpoint(split)
         self.trained_ids: set[str] = self.state.trained_ids
-        self.num_items = num_items  # the train split's size: group ids <-> dataset positions
+        self.num_items = split["num_items"]  # group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc(),
@@ -114,21 +115,26 @@ class Trainer:
         return self.step == self.cfg.trainer.num_steps or (every > 0 and self.step % every == 0)
 
     # ------------------------------------------------------------------ start and end
-    def resume_from_checkpoint(self) -> None:
+    def resume_from_checkpoint(self, split: dict) -> None:
         """The newest checkpoint of this run directory that verifies; else `trainer.resume_from`
         (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
-        start. So a restarted trainer always picks up its own newest step, never resume_from again."""
+        start. So a restarted trainer always picks up its own newest step, never resume_from again.
+        A checkpoint made under another train split is refused (`refuse_another_split`)."""
         loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner)
-        if loaded is None and self.cfg.trainer.resume_from:
+        is_continued = loaded is None and bool(self.cfg.trainer.resume_from)
+        if is_continued:
             loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner)
-            write_run_identity(self.run_dir, loaded[1].run_id, loaded[1].started_at)
         if loaded is not None:
             path, self.state = loaded
+            refuse_another_split(self.state.split, split, path)
+            if is_continued:
+                write_run_identity(self.run_dir, self.state.run_id, self.state.started_at)
             log.warning("resuming run %s from step %d of %d (%s; %d groups trained)", self.state.run_id, self.step,
                         self.cfg.trainer.num_steps, path, len(self.state.trained_ids))
         else:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
             log.info("starting run %s in %s", self.state.run_id, self.run_dir)
+        self.state.split = split  # also into a checkpoint made before the split was recorded
 
     def elapsed_s(self) -> float:
         """Wall time since the run started, time lost to restarts included."""
