@@ -2,7 +2,9 @@
 
 Run: python procs/trainer.py [--config FILE] [--section.key=value ...]   (usually by supervisord)
 Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run), 2 when it
-refuses to start (a config it cannot run, a finished run, a checkpoint of another train split).
+refuses to start (a config it cannot run, a finished run, a checkpoint of another train split), and
+143 after a SIGTERM, once the last step it trained is checkpointed: supervisord restarts it after a
+plain `kill` (it resumes from that step), and leaves it stopped when it is stopping the run itself.
 """
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
@@ -19,13 +21,14 @@ def main(argv: list[str]) -> int:
     reward_fn, test_problems = load_reward(cfg.reward), load_problems(cfg, "test")
     split = split_identity(cfg, load_problems(cfg, "train"))  # group ids <-> positions in the train split
     import logging
+    import signal
 
     import torch
     import zmq
     from transformers import AutoModelForCausalLM
 
     from nano_miles.rewards.worker import RewardWorker
-    from nano_miles.run.process import setup_process
+    from nano_miles.run.process import EXIT_STOPPED, StopRequested, setup_process
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
     from nano_miles.tasks.prompts import load_tokenizer, stop_token_ids
@@ -45,9 +48,12 @@ def main(argv: list[str]) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     model.to(cfg.trainer.device)
     trainer = Trainer(cfg, zmq.Context.instance(), model, tokenizer, evaluator, split)  # may refuse the run dir
+    signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
     (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
     try:
         trainer.train()
+    except StopRequested:
+        return EXIT_STOPPED
     except (TimeoutError, ControlTimeout) as e:  # a peer gone for good: exit, supervisord restarts us
         logging.getLogger("trainer").error("cannot continue: %s", e)
         return 1

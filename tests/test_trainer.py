@@ -1,5 +1,5 @@
 """The trainer's step on the shipped policy: truncated importance sampling, resuming from a checkpoint,
-and what a restart refuses (another train split).
+what a restart refuses (another train split), and a stop while pulling.
 
 Run: `pytest tests/test_trainer.py`. A real `Trainer` (its PULL socket bound on an ipc:// path under
 tmp_path) takes steps on scored groups built here; no peer is needed, since `optimize` and the
@@ -8,6 +8,7 @@ checkpoint calls are the step loop without the commit and the weight push.
 
 import copy
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -17,13 +18,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nano_miles.run.cli import UserError
 from nano_miles.run.config import load_config
+from nano_miles.run.process import StopRequested
 from nano_miles.stages.trainer.checkpoint import save_checkpoint
 from nano_miles.stages.trainer.step_loop import Trainer
 from nano_miles.tasks import load_problems, split_identity
 from nano_miles.tasks.prompts import encode_prompts
 from nano_miles.tasks.arithmetic import make_expressions, make_problems
 from nano_miles.wire.codec import make_group_id
-from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup
+from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup, encode_scored
+from nano_miles.wire.sockets import make_socket
 
 TEMPERATURE = 0.8
 TIS_CLIP = 1.5
@@ -48,6 +51,7 @@ def make_trainer(policy_dir, tmp_path, monkeypatch):
         trainers.append(Trainer(cfg, ctx, model, tokenizer, evaluator=None,
                                 split=split_identity(cfg, load_problems(cfg, "train"))))
         return trainers[-1]
+    make.ctx = ctx
     yield make
     for t in trainers:
         t.pull.close(linger=0)
@@ -190,3 +194,24 @@ def test_a_checkpoint_of_another_train_split_is_refused_in_one_line(make_trainer
     # a setting that leaves the problems as they were (how prompts are rendered) is no other split
     resumed = make_trainer("--task.num_train=840", "--task.system_prompt=Be brief.")
     assert resumed.step == 1 and resumed.trained_ids == trainer.trained_ids
+
+
+def test_a_stop_while_pulling_drops_the_batch_and_keeps_the_last_trained_step(make_trainer, policy_dir):
+    """SIGTERM's flag, read between two received groups: the half-pulled batch is not trained (its groups
+    are issued again after the restart), and the checkpoint holds the step before it."""
+    async_two = ["--trainer.batch_groups=2", "--run.mode=async", "--run.max_staleness=1"]  # admits version 0
+    trainer = make_trainer(*async_two)
+    take_step(trainer, scored_groups(policy_dir, 0, [0.0]))
+    push = make_socket(make_trainer.ctx, zmq.PUSH, trainer.cfg.trainer.endpoint, bind=False)
+    try:
+        trainer.state.run_id = "run-test"  # the run of the groups built here
+        push.send(encode_scored(scored_groups(policy_dir, 2, [0.0])[0]))  # one of the batch's two
+        threading.Timer(0.5, trainer.request_stop).start()
+        with pytest.raises(StopRequested):
+            trainer.take_step()
+    finally:
+        push.close(linger=0)
+    assert trainer.step == 1 and trainer.state.cursor == 2 and trainer.trained_ids == {"e0-i0", "e0-i1"}
+    trainer.checkpoint()
+    resumed = make_trainer(*async_two)
+    assert resumed.step == 1 and resumed.trained_ids == {"e0-i0", "e0-i1"} and resumed.state.cursor == 2

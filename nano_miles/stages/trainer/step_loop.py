@@ -6,10 +6,12 @@ The modules it names, in the order a batch meets them: `nano_miles/wire/data.py`
 log-probs, `nano_miles/algo/loss.py` for the loss), `peers.py` (commit, weight update through
 `nano_miles/weights/`), `checkpoint.py`, `evaluate.py`, `nano_miles/observe/run_record.py`.
 
-The step loop (`Trainer.train`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
+The step loop (`Trainer.take_step`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
 update weights -> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer,
 version, data cursor, which groups each step trained); after a crash it resumes from its newest
 checkpoint, and every group trained after that checkpoint is issued again by the producer.
+A SIGTERM (`request_stop`) drops a batch still being pulled, records a step already trained without
+what needs a peer (`publish`), checkpoints the last step trained and raises StopRequested.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from nano_miles.observe.run_record import (RunRecord, StepRecord, format_step_li
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.run.identity import ensure_run_identity, refuse_another_split, write_run_identity
+from nano_miles.run.process import StopRequested
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
@@ -58,12 +61,14 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.state = TrainerState()
         self.resume_from_checkpoint(split)
+        self.saved_step = self.step  # the step of the newest checkpoint (0: the base model needs none)
+        self.is_stop_requested = False
         self.trained_ids: set[str] = self.state.trained_ids
         self.num_items = split["num_items"]  # group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc(),
-                           on_restored=self.adopt_no_signal)
+                           on_restored=self.adopt_no_signal, is_stopping=lambda: self.is_stop_requested)
         self.dropped_ids: list[str] = []   # refused since the last commit; the producer re-issues them
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
@@ -77,42 +82,85 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        self.connect()
-        engine_busy_start = self.peers.engine_busy_s()
-        if self.step == 0:
-            self.state.evals.append(self.evaluate())
-        while self.step < self.cfg.trainer.num_steps:
-            liveness.beat()
-            started = time.perf_counter()
-            groups, wait_s = self.pull_batch()
-            self.state.step += 1  # from here on the model holds it: what `restore` and the version gate count
-            self.record.write_rollouts(self.step, groups)
-            self.record.write_samples(self.step, groups)
-            stats = self.optimize(groups)
+        """Every step left, then the summary; after `request_stop`, StopRequested."""
+        try:
+            self.connect()
+            engine_busy_start = self.peers.engine_busy_s()
+            if self.lacks_due_evaluation():  # the start of the run, or a step stopped before its evaluation
+                self.state.evals.append(self.evaluate())
+            while self.step < self.cfg.trainer.num_steps:
+                self.take_step()
+            return self.finish(engine_busy_start)
+        except StopRequested:
+            self.checkpoint()
+            log.warning("stopped (SIGTERM) after step %d of %d; checkpoint %s", self.step,
+                        self.cfg.trainer.num_steps, self.saved_step)
+            raise
+
+    def take_step(self) -> None:
+        liveness.beat()
+        started = time.perf_counter()
+        groups, wait_s = self.pull_batch()  # a stop while pulling: nothing of this step happened
+        self.state.step += 1  # from here on the model holds it: what `restore` and the version gate count
+        self.record.write_rollouts(self.step, groups)
+        self.record.write_samples(self.step, groups)
+        stats = self.optimize(groups)
+        record = self.publish(stats, wait_s)
+        record.step_s = time.perf_counter() - started
+        record.elapsed_s = self.elapsed_s()
+        record.phase_s = step_phases(record, self.received_times)
+        self.received_times = []
+        log.info(format_step_line(record.to_json(), self.cfg.trainer.num_steps))
+        self.metrics.step_done(record)
+        self.record.write_step(record)
+        if self.is_due(self.cfg.trainer.checkpoint_every):
+            self.checkpoint()
+        self.stop_if_requested()
+
+    def publish(self, stats: StepStats, wait_s: float) -> StepRecord:
+        """Commit, push the weights, evaluate when due: the step's record. After a stop request none of it
+        starts and a wait for a peer ends (its stop is ours): the restart's `connect` and
+        `lacks_due_evaluation` do what is left."""
+        evaluation, eval_s = None, 0.0
+        try:
+            self.stop_if_requested()
             self.commit(self.step, self.state.trained_by_step[self.step])
             # after the last step the producer is not resumed: nothing more will be trained
             stats.update_ms = 1000 * self.peers.update_weights(
                 self.model, self.step, tell_producer=self.step < self.cfg.trainer.num_steps)
-            self.state.version = self.step
-            record = self.step_record(stats, wait_s)
             if self.is_due(self.cfg.trainer.eval_every):
+                self.stop_if_requested()
                 eval_started = time.perf_counter()
-                self.state.evals.append(self.evaluate())
-                record.evaluation = self.state.evals[-1]
-                record.eval_s = time.perf_counter() - eval_started  # part of this step, not training
-            record.step_s = time.perf_counter() - started
-            record.elapsed_s = self.elapsed_s()
-            record.phase_s = step_phases(record, self.received_times)
-            self.received_times = []
-            log.info(format_step_line(record.to_json(), self.cfg.trainer.num_steps))
-            self.metrics.step_done(record)
-            self.record.write_step(record)
-            if self.is_due(self.cfg.trainer.checkpoint_every):
-                save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state)
-        return self.finish(engine_busy_start)
+                evaluation = self.evaluate()
+                eval_s = time.perf_counter() - eval_started  # part of this step, not training
+                self.state.evals.append(evaluation)
+        except StopRequested:
+            log.warning("stopping: step %d is trained; its commit, push and evaluation are left to the restart",
+                        self.step)
+        self.state.version = self.step  # the weights' version, served now or pushed at the restart
+        record = self.step_record(stats, wait_s)
+        record.evaluation, record.eval_s = evaluation, eval_s
+        return record
 
     def is_due(self, every: int) -> bool:
         return self.step == self.cfg.trainer.num_steps or (every > 0 and self.step % every == 0)
+
+    def lacks_due_evaluation(self) -> bool:
+        return (self.step == 0 or self.is_due(self.cfg.trainer.eval_every)) \
+            and all(e["step"] != self.step for e in self.state.evals)
+
+    def checkpoint(self) -> None:
+        """Save the state after the last step trained, unless the newest checkpoint holds it already."""
+        if self.step != self.saved_step:
+            save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state)
+            self.saved_step = self.step
+
+    def request_stop(self) -> None:  # SIGTERM's handler: a flag, read where stopping is safe
+        self.is_stop_requested = True
+
+    def stop_if_requested(self) -> None:
+        if self.is_stop_requested:
+            raise StopRequested(f"stop requested at step {self.step}")
 
     # ------------------------------------------------------------------ start and end
     def resume_from_checkpoint(self, split: dict) -> None:
@@ -192,6 +240,7 @@ class Trainer:
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
+            self.stop_if_requested()  # between two groups: what is received so far is issued again
             scored = self.receive(started, len(batch))
             if scored is None:
                 continue
