@@ -1,5 +1,5 @@
 """The trainer's step on the shipped policy: truncated importance sampling, resuming from a checkpoint,
-what a restart refuses (another train split), and a stop while pulling.
+what a restart refuses (another train split) and keeps (goodput's parts), and a stop while pulling.
 
 Run: `pytest tests/test_trainer.py`. A real `Trainer` (its PULL socket bound on an ipc:// path under
 tmp_path) takes steps on scored groups built here; no peer is needed, since `optimize` and the
@@ -25,6 +25,7 @@ from nano_miles.tasks import load_problems, split_identity
 from nano_miles.tasks.prompts import encode_prompts
 from nano_miles.tasks.arithmetic import make_expressions, make_problems
 from nano_miles.wire.codec import make_group_id
+from nano_miles.wire.control import ProducerStatus
 from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup, encode_scored
 from nano_miles.wire.sockets import make_socket
 
@@ -194,6 +195,26 @@ def test_a_checkpoint_of_another_train_split_is_refused_in_one_line(make_trainer
     # a setting that leaves the problems as they were (how prompts are rendered) is no other split
     resumed = make_trainer("--task.num_train=840", "--task.system_prompt=Be brief.")
     assert resumed.step == 1 and resumed.trained_ids == trainer.trained_ids
+
+
+def test_generated_tokens_of_steps_a_restart_redoes_still_count(make_trainer, policy_dir):
+    """Goodput = trained / generated response tokens. A checkpoint rolls the trained count back with the
+    steps it redoes, but what those steps generated was spent: the count goes on from the newest step
+    record, not from the checkpoint (before: 1.0 after the trainer and the producer restarted together)."""
+    trainer = make_trainer()
+    for step in range(4):
+        stats = take_step(trainer, scored_groups(policy_dir, 2 * step, [0.0]))
+        trainer.peers.producer = ProducerStatus(
+            version=step + 1, is_paused=False, waiting_for="", num_sent=2 * step + 2,
+            num_generated_tokens=1000 * (step + 1), num_resumed_samples=0, num_failed=0, num_reissued=0,
+            num_inflight=0, outstanding_group_ids=[], dropped_for_good={})
+        trainer.record.write_step(trainer.step_record(stats, wait_s=0.0))
+        if step == 1:
+            trainer.checkpoint()
+    assert trainer.state.num_generated_tokens == 4000
+    resumed = make_trainer()  # from step 2, which heard 2000; steps 3 and 4 will be trained again
+    assert resumed.step == 2 and resumed.state.num_trained_tokens < trainer.state.num_trained_tokens
+    assert resumed.durable_state().num_generated_tokens == 4000  # what a restarted producer counts on from
 
 
 def test_a_stop_while_pulling_drops_the_batch_and_keeps_the_last_trained_step(make_trainer, policy_dir):

@@ -75,6 +75,8 @@ class Trainer:
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
         self.last_peer_check = 0.0  # when a pull last looked after the engine and the producer (perf_counter s)
         self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
+        # what steps a restart redoes generated was spent too: not rolled back with the checkpoint
+        self.state.num_generated_tokens = max(self.state.num_generated_tokens, self.record.num_generated_tokens())
 
     @property
     def step(self) -> int:
@@ -355,6 +357,7 @@ class Trainer:
                           update_split_ms=self.peers.update_split_ms,
                           queue_depth=p.num_outstanding - p.num_inflight,
                           goodput=self.state.num_trained_tokens / generated if generated else None,
+                          num_generated_tokens=generated,
                           num_resumed_samples=p.num_resumed_samples,
                           group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
 
