@@ -1,7 +1,10 @@
 """Trainer process: scored groups -> GRPO steps -> weight hot-updates of the engine; ends the run.
 
 Run: python procs/trainer.py [--config FILE] [--section.key=value ...]   (usually by supervisord)
-Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run).
+Exits 0 when `trainer.num_steps` are done (supervisord's listener then ends the whole run), 2 when it
+refuses to start (a config it cannot run, a finished run, a checkpoint of another train split), and
+143 after a SIGTERM, once the last step it trained is checkpointed: supervisord restarts it after a
+plain `kill` (it resumes from that step), and leaves it stopped when it is stopping the run itself.
 """
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
@@ -14,19 +17,20 @@ def main(argv: list[str]) -> int:
     cfg, _ = parse_config(argv, ArgumentParser(prog="python procs/trainer.py", description=__doc__))
     from nano_miles.rewards import load_reward
     from nano_miles.run.identity import refuse_a_finished_run
-    from nano_miles.tasks import load_problems
+    from nano_miles.tasks import load_problems, split_identity
     refuse_a_finished_run(cfg.run_dir)  # a second supervisord on a finished run: one line, nothing started
     # plug-ins and data that cannot serve the config: one line now, before the heavy imports
     reward_fn, test_problems = load_reward(cfg.reward), load_problems(cfg, "test")
-    num_items = len(load_problems(cfg, "train"))  # group ids <-> positions in the train split
+    split = split_identity(cfg, load_problems(cfg, "train"))  # group ids <-> positions in the train split
     import logging
+    import signal
 
     import torch
     import zmq
     from transformers import AutoModelForCausalLM
 
     from nano_miles.rewards.worker import RewardWorker
-    from nano_miles.run.process import setup_process
+    from nano_miles.run.process import EXIT_STOPPED, StopRequested, setup_process
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
     from nano_miles.tasks.prompts import load_tokenizer, stop_token_ids
@@ -42,12 +46,16 @@ def main(argv: list[str]) -> int:
     worker.start()  # forked now, before the model, sockets and threads exist
     evaluator = make_evaluator(cfg, test_problems, tokenizer, worker, stops)
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
-    (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     model.to(cfg.trainer.device)
+    trainer = Trainer(cfg, zmq.Context.instance(), model, tokenizer, evaluator, split)  # may refuse the run dir
+    signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
+    (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
     try:
-        Trainer(cfg, zmq.Context.instance(), model, tokenizer, evaluator, num_items).train()
+        trainer.train()
+    except StopRequested:
+        return EXIT_STOPPED
     except (TimeoutError, ControlTimeout) as e:  # a peer gone for good: exit, supervisord restarts us
         logging.getLogger("trainer").error("cannot continue: %s", e)
         return 1

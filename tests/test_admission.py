@@ -41,9 +41,13 @@ def test_the_first_rule_that_applies_wins(kwargs, reason):
     assert admit(**kwargs) == reason
 
 
-def test_the_gate_bounds_groups_in_the_model_and_on_their_way():
-    # sync (staleness 0), 4 groups a step: version v admits groups up to (v + 1) * 4
-    assert [version_allows(used, 0, 4, 0) for used in range(6)] == [True] * 4 + [False] * 2
-    assert version_allows(7, 1, 4, 0) and not version_allows(8, 1, 4, 0)
-    assert version_allows(11, 1, 4, 1) and not version_allows(12, 1, 4, 1)  # one version ahead
-    assert not version_allows(0, -1, 4, 2)  # no weights served yet: nothing starts
+def test_the_gate_bounds_the_groups_on_their_way_by_steps_and_versions():
+    # sync (staleness 0), 4 groups a step: with version v served and v steps trained, one batch is out
+    assert [version_allows(out, 0, 0, 4, 0) for out in range(6)] == [True] * 4 + [False] * 2
+    assert version_allows(3, 1, 1, 4, 0) and not version_allows(4, 1, 1, 4, 0)
+    assert not version_allows(0, 1, 2, 4, 0)  # step 2 trained, its weights not served yet: nothing starts
+    assert version_allows(7, 1, 1, 4, 1) and not version_allows(8, 1, 1, 4, 1)  # one version ahead
+    assert version_allows(3, 1, 2, 4, 1) and not version_allows(4, 1, 2, 4, 1)
+    assert not version_allows(0, -1, 0, 4, 2)  # no weights served yet: nothing starts
+    # steps, not groups trained so far: 5 steps of 8 groups, then 4 a step after a restart
+    assert version_allows(3, 5, 5, 4, 0) and not version_allows(4, 5, 5, 4, 0)

@@ -50,11 +50,13 @@ def test_every_state_field_survives_a_save_and_evaluations_from_older_checkpoint
                   "parts": {"first_step": 0.4}}
     state = TrainerState(step=10, version=10, cursor=44, trained_by_step={10: ["e0-i3"]}, no_signal_ids={"e0-i9"},
                          evals=[evaluation], run_id="run-b", started_at=2.0, num_trained_tokens=7,
-                         num_generated_tokens=9)
+                         num_generated_tokens=9, split={"num_items": 50, "sha256": "ab", "settings": {"task.seed": 0}})
     assert TrainerState.from_saved(state.saved()) == state
     older = {**state.saved(), "evals": [[0, 0.125, 1.0, 0.2, None]]}  # positional, as written before
     assert TrainerState.from_saved(older).evals == [{"step": 0, "accuracy": 0.125, "elapsed_s": 1.0, "reward": 0.2,
                                                      "pass_at_k": None, "k": 0, "parts": {}}]
+    del older["split"]  # written before the train split was recorded: loads, with the split unknown
+    assert TrainerState.from_saved(older).split == {}
 
 
 @pytest.mark.parametrize("damage", ["truncate every file", "flip one byte", "no manifest"])

@@ -22,7 +22,7 @@ from nano_miles.stages.reward.scorer import RewardStage
 from nano_miles.stages.rollout.producer import RolloutProducer
 from nano_miles.stages.trainer.checkpoint import save_checkpoint
 from nano_miles.stages.trainer.step_loop import Trainer
-from nano_miles.tasks import load_problems
+from nano_miles.tasks import load_problems, split_identity
 from nano_miles.tasks.prompts import encode_prompts, load_tokenizer, make_decoder
 
 
@@ -68,7 +68,8 @@ class Stages:
             old.pull.close(linger=0)
             old.peers.control.close()
         model = AutoModelForCausalLM.from_pretrained(str(self.cfg.model_dir), dtype=torch.float32)
-        trainer = Trainer(self.cfg, self.ctx, model, self.tokenizer, evaluator=None, num_items=self.cfg.task.num_train)
+        trainer = Trainer(self.cfg, self.ctx, model, self.tokenizer, evaluator=None,
+                          split=split_identity(self.cfg, load_problems(self.cfg, "train")))
         self.trainers.append(trainer)
         trainer.connect()
         return trainer

@@ -23,7 +23,8 @@ def stats(reward: float) -> StepStats:
 
 def record(step: int, reward: float, **extra) -> StepRecord:
     return StepRecord(step=step, version=step, stats=stats(reward), wait_s=0.5, update_split_ms={"apply": 2.0},
-                      queue_depth=1, goodput=0.9, num_resumed_samples=0, group_ids=[f"e0-i{step}"], drops={},
+                      queue_depth=1, goodput=0.9, num_generated_tokens=100 * step, num_resumed_samples=0,
+                      group_ids=[f"e0-i{step}"], drops={},
                       step_s=1.0, phase_s={"train": 0.4}, **extra)
 
 

@@ -107,6 +107,17 @@ def test_no_server_gives_a_timeout_naming_the_endpoint(ctx, tmp_path):
     client.close()
 
 
+def test_a_client_that_gives_up_stops_retrying_after_the_try_under_way(ctx, tmp_path):
+    # a stopping trainer whose producer is stopping too: one try, not control_retries of them
+    client = ControlClient(ctx, f"ipc://{tmp_path}/nobody", run_id="run-a", timeout_s=0.2, retries=10,
+                           give_up=lambda: True)
+    started = time.monotonic()
+    with pytest.raises(ControlTimeout, match="in 1 tries"):
+        client.request("status")
+    assert time.monotonic() - started < 1.0
+    client.close()
+
+
 def test_bad_requests_are_answered_and_the_server_goes_on(ctx, tmp_path):
     state = Counting()
     server = ControlServer(ctx, f"ipc://{tmp_path}/c", state.handlers())

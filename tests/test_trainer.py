@@ -1,4 +1,5 @@
-"""The trainer's step on the shipped policy: truncated importance sampling, and resuming from a checkpoint.
+"""The trainer's step on the shipped policy: truncated importance sampling, resuming from a checkpoint,
+what a restart refuses (another train split) and keeps (goodput's parts), and a stop while pulling.
 
 Run: `pytest tests/test_trainer.py`. A real `Trainer` (its PULL socket bound on an ipc:// path under
 tmp_path) takes steps on scored groups built here; no peer is needed, since `optimize` and the
@@ -7,6 +8,7 @@ checkpoint calls are the step loop without the commit and the weight push.
 
 import copy
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -14,13 +16,18 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nano_miles.run.cli import UserError
 from nano_miles.run.config import load_config
+from nano_miles.run.process import StopRequested
 from nano_miles.stages.trainer.checkpoint import save_checkpoint
 from nano_miles.stages.trainer.step_loop import Trainer
+from nano_miles.tasks import load_problems, split_identity
 from nano_miles.tasks.prompts import encode_prompts
 from nano_miles.tasks.arithmetic import make_expressions, make_problems
 from nano_miles.wire.codec import make_group_id
+from nano_miles.wire.control import ProducerStatus
 from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup, encode_scored
+from nano_miles.wire.sockets import make_socket
 
 TEMPERATURE = 0.8
 TIS_CLIP = 1.5
@@ -42,8 +49,10 @@ def make_trainer(policy_dir, tmp_path, monkeypatch):
             "--trainer.metrics_port=0", "--metrics.queue_sample_s=0", f"--rollout.temperature={TEMPERATURE}",
             "--trainer.lr=1e-3", *overrides])
         model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
-        trainers.append(Trainer(cfg, ctx, model, tokenizer, evaluator=None, num_items=cfg.task.num_train))
+        trainers.append(Trainer(cfg, ctx, model, tokenizer, evaluator=None,
+                                split=split_identity(cfg, load_problems(cfg, "train"))))
         return trainers[-1]
+    make.ctx = ctx
     yield make
     for t in trainers:
         t.pull.close(linger=0)
@@ -190,13 +199,74 @@ def test_staleness_counts_from_a_samples_oldest_token_first_or_last(make_trainer
     try:
         for sg in groups:
             push.send(encode_scored(sg))
-        trainer.state.step = 3  # trains on version 2: both groups are one version stale
+        trainer.state.step = 2  # two steps trained: step 3 trains on version 2, both groups one version stale
         batch, _ = trainer.pull_batch()
     finally:
         push.close(linger=0)
     assert [sg.group.oldest_version for sg in batch] == [1, 1] and trainer.drops == {}
     # one observation per admitted group, from the group's oldest token
     assert trainer.metrics.registry.get_sample_value("nanomiles_staleness_versions_sum") == 2
+    trainer.state.step += 1  # as take_step: the model holds step 3 from its optimizer pass on
     stats = trainer.optimize(batch).as_dict()
     assert stats["staleness_hist"] == {"0": 2, "1": 2}  # per sample: the two mixed ones are 1 stale
     assert (stats["staleness_max"], stats["version_oldest"]) == (1, 1)
+
+
+def test_a_checkpoint_of_another_train_split_is_refused_in_one_line(make_trainer, policy_dir):
+    """Group ids, the data cursor and the ledger are positions in the train split: under another split
+    they name other prompts (before: 840 counted where 960 were trained, earlier ids vanished)."""
+    trainer = make_trainer("--task.num_train=840")
+    take_step(trainer, scored_groups(policy_dir, 0, [0.0]))
+    save_checkpoint(trainer.run_dir / "checkpoints", trainer.model, trainer.tokenizer, trainer.learner,
+                    trainer.state)
+    with pytest.raises(UserError) as refused:
+        make_trainer("--task.num_train=960")
+    message = str(refused.value)
+    assert message.startswith("task.num_train is 960, ") and "step_000001 was made with 840" in message
+    assert "\n" not in message and "--model.path=" in message, message
+    with pytest.raises(UserError, match="task.seed is 1, .* was made with 0"):
+        make_trainer("--task.num_train=840", "--task.seed=1")
+    # a setting that leaves the problems as they were (how prompts are rendered) is no other split
+    resumed = make_trainer("--task.num_train=840", "--task.system_prompt=Be brief.")
+    assert resumed.step == 1 and resumed.trained_ids == trainer.trained_ids
+
+
+def test_generated_tokens_of_steps_a_restart_redoes_still_count(make_trainer, policy_dir):
+    """Goodput = trained / generated response tokens. A checkpoint rolls the trained count back with the
+    steps it redoes, but what those steps generated was spent: the count goes on from the newest step
+    record, not from the checkpoint (before: 1.0 after the trainer and the producer restarted together)."""
+    trainer = make_trainer()
+    for step in range(4):
+        stats = take_step(trainer, scored_groups(policy_dir, 2 * step, [0.0]))
+        trainer.peers.producer = ProducerStatus(
+            version=step + 1, is_paused=False, waiting_for="", num_sent=2 * step + 2,
+            num_generated_tokens=1000 * (step + 1), num_resumed_samples=0, num_failed=0, num_reissued=0,
+            num_inflight=0, outstanding_group_ids=[], dropped_for_good={})
+        trainer.record.write_step(trainer.step_record(stats, wait_s=0.0))
+        if step == 1:
+            trainer.checkpoint()
+    assert trainer.state.num_generated_tokens == 4000
+    resumed = make_trainer()  # from step 2, which heard 2000; steps 3 and 4 will be trained again
+    assert resumed.step == 2 and resumed.state.num_trained_tokens < trainer.state.num_trained_tokens
+    assert resumed.durable_state().num_generated_tokens == 4000  # what a restarted producer counts on from
+
+
+def test_a_stop_while_pulling_drops_the_batch_and_keeps_the_last_trained_step(make_trainer, policy_dir):
+    """SIGTERM's flag, read between two received groups: the half-pulled batch is not trained (its groups
+    are issued again after the restart), and the checkpoint holds the step before it."""
+    async_two = ["--trainer.batch_groups=2", "--run.mode=async", "--run.max_staleness=1"]  # admits version 0
+    trainer = make_trainer(*async_two)
+    take_step(trainer, scored_groups(policy_dir, 0, [0.0]))
+    push = make_socket(make_trainer.ctx, zmq.PUSH, trainer.cfg.trainer.endpoint, bind=False)
+    try:
+        trainer.state.run_id = "run-test"  # the run of the groups built here
+        push.send(encode_scored(scored_groups(policy_dir, 2, [0.0])[0]))  # one of the batch's two
+        threading.Timer(0.5, trainer.request_stop).start()
+        with pytest.raises(StopRequested):
+            trainer.take_step()
+    finally:
+        push.close(linger=0)
+    assert trainer.step == 1 and trainer.state.cursor == 2 and trainer.trained_ids == {"e0-i0", "e0-i1"}
+    trainer.checkpoint()
+    resumed = make_trainer(*async_two)
+    assert resumed.step == 1 and resumed.trained_ids == {"e0-i0", "e0-i1"} and resumed.state.cursor == 2

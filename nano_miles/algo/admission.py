@@ -11,10 +11,13 @@ Both are taken over every token, not from a sample's ends: a sample resumed afte
 from an older checkpoint goes down in version (5 5 3 3): its staleness counts from 3, and its tokens
 of the rolled-back weights make it a future group.
 
-The gate. With `version` served, the groups the model already holds plus those on their way
-(`budget_used`) may not exceed (version + 1 + max_staleness) * batch_groups: the producer never runs
-more than max_staleness versions ahead, and in sync mode step k's rollout starts only after the
-weights of version k - 1 are served.
+The gate. With `version` served and `step` steps in the trainer's model (its last commit or
+restore), the groups issued and not yet trained or dropped may not exceed
+(version + 1 + max_staleness - step) * batch_groups: the batches of the steps that may still train on
+weights up to `version`. The producer never runs more than max_staleness versions ahead, and in sync
+mode step k's rollout starts only after the weights of version k - 1 are served. It counts steps, not
+the groups trained so far, so a run restarted with another `trainer.batch_groups` goes on: what the
+earlier steps trained does not count against the new batch size.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ STALE = "stale"               # older than max_staleness allows
 NO_SIGNAL = "no_signal"       # every advantage 0 (rewards all equal): consumed, never trained, never issued again
 
 
-def version_allows(budget_used: int, version: int, batch_groups: int, max_staleness: int) -> bool:
-    """May one more group start while the engine serves `version`? (the gate, above)"""
-    return version >= 0 and budget_used < (version + 1 + max_staleness) * batch_groups
+def version_allows(num_outstanding: int, version: int, step: int, batch_groups: int, max_staleness: int) -> bool:
+    """May one more group start while the engine serves `version` and the trainer's model holds `step`
+    steps, with `num_outstanding` groups issued and not yet trained or dropped? (the gate, above)"""
+    return version >= 0 and num_outstanding < (version + 1 + max_staleness - step) * batch_groups
 
 
 def staleness(step: int, oldest_version: int) -> int:

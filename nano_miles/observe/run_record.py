@@ -42,6 +42,8 @@ class StepRecord:
     update_split_ms: dict         # weight update by part: pause, gather, serialize, apply, resume
     queue_depth: int              # groups sent downstream by the producer, not yet trained or dropped
     goodput: float | None         # trained / generated response tokens so far
+    num_generated_tokens: int     # the producer's count of generated response tokens so far (goodput's
+                                  # denominator; a restarted trainer goes on from the newest record's)
     num_resumed_samples: int      # sample segments resumed after an abort-mode pause, so far
     group_ids: list[str]          # the groups this step trained
     drops: dict                   # reason -> groups the trainer dropped so far
@@ -54,7 +56,8 @@ class StepRecord:
     def to_json(self) -> dict:
         out = {"step": self.step, "version": self.version, "wait_s": self.wait_s, **self.stats.as_dict(),
                "update_split_ms": self.update_split_ms, "queue_depth": self.queue_depth,
-               "goodput": self.goodput, "num_resumed_samples": self.num_resumed_samples,
+               "goodput": self.goodput, "num_generated_tokens": self.num_generated_tokens,
+               "num_resumed_samples": self.num_resumed_samples,
                "group_ids": self.group_ids, "eval_s": self.eval_s, "step_s": self.step_s,
                "elapsed_s": self.elapsed_s, "drops": self.drops, "phase_s": self.phase_s}
         return {**out, **eval_columns(self.evaluation or {})}
@@ -253,6 +256,11 @@ class RunRecord:
         steps after its checkpoint: the newest record of a step wins)."""
         by_step = {r["step"]: r for r in read_jsonl(self.metrics_path) if r["step"] <= last_step}
         return [by_step[k] for k in sorted(by_step)]
+
+    def num_generated_tokens(self) -> int:
+        """The producer's generated-token count as the newest step record heard it: a checkpoint does not
+        roll it back, and what steps redone after a restart generated the first time was spent too."""
+        return max((r.get("num_generated_tokens", 0) for r in read_jsonl(self.metrics_path)), default=0)
 
     def finish(self, steps: list[dict], summary: dict, ledger: dict) -> None:
         """Write summary.json and ledger.json, stop the queue recorder and the sinks, draw the plots."""

@@ -4,7 +4,8 @@ Library module. The trainer writes `<run dir>/run.json` at its first start and k
 every checkpoint; a restarted trainer takes them from its checkpoint (or from this file before the
 first checkpoint). The id tags every data and control message, so stages of another run (a leftover
 process, a second run on the same ports) are refused; the start time makes the run's wall time span
-restarts.
+restarts. A run is also the train split its group ids number: a checkpoint keeps it, and a trainer
+started on it under another split refuses (`refuse_another_split`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,23 @@ def refuse_a_finished_run(run_dir: Path) -> None:
         run = f"the finished run {found[0]}" if found else "a finished run"
         raise UserError(f"{run_dir} holds {run} (its {FINISHED_FILE} is there): move it aside "
                         "(`make run` does) or pass another --run.dir")
+
+
+def refuse_another_split(recorded: dict, current: dict, checkpoint: Path) -> None:
+    """A UserError, one line, when `checkpoint` was made under another train split than `current` (both
+    `nano_miles.tasks.split_identity`): its data cursor and ledger are positions in its own split, which
+    under another one name other prompts. Named: each setting that differs, old and new. A checkpoint
+    made before splits were recorded (`recorded` empty) is taken as it is."""
+    if not recorded or (recorded["num_items"], recorded["sha256"]) == (current["num_items"], current["sha256"]):
+        return
+    old, new = recorded["settings"], current["settings"]
+    changed = [f"{key} is {new.get(key)!r}, {checkpoint} was made with {old.get(key)!r}"
+               for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    what = "; ".join(changed) or (
+        f"the train split's problems changed under the same settings ({current['num_items']}, sha256 "
+        f"{current['sha256'][:12]}; {checkpoint} was made with {recorded['num_items']}, {recorded['sha256'][:12]})")
+    raise UserError(f"{what}: its group ids, data cursor and ledger are positions in that train split; go back "
+                    f"to it, or start a new run from its weights (--model.path={checkpoint} and another --run.dir)")
 
 
 def read_run_identity(run_dir: Path) -> tuple[str, float] | None:

@@ -1,6 +1,10 @@
 """What every pipeline process sets up the same way: logging, the run directory, signals, threads.
 
 Library module called first by each stage's entry point (`procs/<stage>.py`).
+
+A SIGTERM (supervisord stopping the stage or the run, or a plain `kill`) ends a stage with
+EXIT_STOPPED, never 0, which means "finished" (the trainer's run is done, an unused engine slot idle)
+and is not restarted. The trainer's own handler stops at a safe point (`Trainer.request_stop`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from nano_miles.run import liveness
 from nano_miles.run.config import Config
 
 PR_SET_PDEATHSIG = 1
+EXIT_STOPPED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+
+
+class StopRequested(Exception):
+    """A SIGTERM reached a stage that stops only where stopping loses nothing (the trainer)."""
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -56,7 +65,7 @@ def setup_process(name: str, cfg: Config, *, num_threads: int | None = None,
     if cfg.security.curve_dir:
         from nano_miles.wire.sockets import use_curve
         use_curve(cfg.security.curve_dir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run finally-blocks, close sockets
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_STOPPED))  # run finally-blocks, close sockets
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bars in stage logs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model paths are local directories, never a hub
     import transformers

@@ -7,13 +7,17 @@ the run's order, each a `Problem` with a `prompt` (text, or a list of chat messa
 `task.num_train` / `task.num_test` of them (0 = all), so group ids, which are positions in that
 order, mean the same problem in every process and after every restart. A stage loads its task
 first thing: one that does not import, or that is smaller than the config asks for, is a
-UserError naming the key. Built in: `nano_miles.tasks.arithmetic` (the default run) and
+UserError naming the key; a checkpoint keeps the train split's `split_identity`, and a restart under
+another split is refused. Built in: `nano_miles.tasks.arithmetic` (the default run) and
 `nano_miles.tasks.files` (a user's JSONL / Parquet / datasets file).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib
+import json
 from dataclasses import dataclass
 
 from nano_miles.run.cli import UserError
@@ -46,3 +50,15 @@ def load_problems(cfg, split: str) -> list[Problem]:
         raise UserError(f"task.num_{split} must be at most {len(problems)} (the {split} problems of "
                         f"{cfg.task.name}), not {num}; 0 takes them all")
     return problems[:num] if num else problems
+
+
+def split_identity(cfg, problems: list[Problem]) -> dict:
+    """What makes group ids name these problems, as a checkpoint keeps it: the split's size, a SHA-256 of
+    its problems in order, and the settings that chose them (every `task.*` key, and `run.seed`, which
+    the files task shuffles by), so that a refusal can name the setting that changed."""
+    digest = hashlib.sha256()
+    for p in problems:
+        digest.update(json.dumps([p.prompt, p.answer], default=str).encode() + b"\n")
+    settings = {f"task.{k}": v for k, v in dataclasses.asdict(cfg.task).items()}
+    return {"num_items": len(problems), "sha256": digest.hexdigest(),
+            "settings": {**settings, "run.seed": cfg.run.seed}}

@@ -21,7 +21,8 @@ unknown argument keys like unknown keys anywhere else):
                              re-prefills them after resume, "in_place" keeps them where they are
     resume(version)          version >= 0: the weight version the engine now serves
     commit(step, group_ids, dropped_attempts, no_signal_group_ids)
-                             step >= 0; group_ids: the groups trained at that step (now in the
+                             step >= 0: the steps now in the trainer's model (the version gate
+                             counts them); group_ids: the groups trained at that step (now in the
                              trainer's model); dropped_attempts: group id -> attempt of the copy the
                              trainer refused since its last commit (stale, from weights it no longer
                              has): issue the group again unless a later copy is already on its way;

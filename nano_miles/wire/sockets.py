@@ -89,11 +89,14 @@ class ControlClient:
 
     A REQ socket that timed out is stuck in its send/recv cycle, so each retry closes it and opens a
     fresh one. The req_id stays the same across retries; the server answers a repeated req_id from its
-    reply cache, so a retried command is never executed twice.
+    reply cache, so a retried command is never executed twice. `give_up` is asked after every try that
+    timed out: true ends the retries at once (the client's process is stopping; the server may be too).
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, *, run_id: str, timeout_s: float = 5.0, retries: int = 6):
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, run_id: str, timeout_s: float = 5.0, retries: int = 6,
+                 give_up: Callable[[], bool] = lambda: False):
         self.ctx, self.endpoint, self.timeout_s, self.retries = ctx, endpoint, timeout_s, retries
+        self.give_up = give_up
         self.run_id = run_id  # sent with every request; the server refuses any other run
         self.sock: zmq.Socket | None = None
         self.server_incarnation: str | None = None
@@ -122,7 +125,9 @@ class ControlClient:
             log.warning("control %s: no reply from %s within %.1fs (try %d/%d)", cmd, self.endpoint,
                         self.timeout_s, attempt, self.retries)
             self._fresh_socket()
-        raise ControlTimeout(f"control {cmd}: {self.endpoint} did not answer in {self.retries} tries "
+            if self.give_up():
+                break
+        raise ControlTimeout(f"control {cmd}: {self.endpoint} did not answer in {attempt} tries "
                              f"of {self.timeout_s}s")
 
     def _note_incarnation(self, incarnation: str) -> None:

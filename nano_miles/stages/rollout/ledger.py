@@ -129,7 +129,3 @@ class Ledger:
             if group_id not in trained and group_id not in self.outstanding \
                     and group_id not in self.dropped_for_good:
                 self._queue_again(group_id)
-
-    def budget_used(self) -> int:
-        """Groups that count against the version gate: in the model or on their way to it."""
-        return len(self.trained) + len(self.outstanding)

@@ -10,9 +10,9 @@ trainer's first `resume(version)`: the trainer decides which weights serve, the 
 
 The version gate is the whole flow control (`nano_miles/algo/admission.py`, beside the rules the
 trainer admits groups by). Step k trains batch_groups groups on weights of version k - 1, so with
-`version` served, the groups the model already has plus those on their way may not exceed
-(version + 1 + max_staleness) * batch_groups. With max_staleness 0 (sync mode) the rollout of step k
-starts only after weights k - 1 are in the engine.
+`version` served and `step` steps in the trainer's model, the groups on their way may not exceed
+(version + 1 + max_staleness - step) * batch_groups. With max_staleness 0 (sync mode) the rollout of
+step k starts only after weights k - 1 are in the engine.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class ProducerState:
     """Counters and flags; the dataset position and leases live in the ledger."""
 
     version: int = -1                 # weight version the engine serves; -1 = not told yet
+    step: int = 0                     # steps in the trainer's model: its last commit or restore
     is_paused: bool = True            # paused until the first resume
     num_sent: int = 0
     num_failed: int = 0               # engine failures (each retried)
@@ -104,7 +105,7 @@ class RolloutProducer:
     def on_restore(self, state: RestoreState) -> dict:
         self.ledger.restore(state.committed_group_ids, state.cursor, busy=self.generating_ids(),
                             no_signal=state.no_signal_group_ids)
-        self.state.version = state.version
+        self.state.version, self.state.step = state.version, state.step
         self.state.num_generated_tokens = max(self.state.num_generated_tokens, state.num_generated_tokens)
         log.info("restored from the trainer: step %d, version %d, %d groups trained, %d to issue again",
                  state.step, state.version, len(self.ledger.trained), self.ledger.num_pending_reissue)
@@ -112,6 +113,7 @@ class RolloutProducer:
 
     def on_commit(self, step: int, group_ids: list[str], dropped_attempts: dict[str, int],
                   no_signal_group_ids: list[str]) -> dict:
+        self.state.step = step  # the trainer may go back after a restart: it knows best
         self.ledger.on_trained(group_ids)
         self.ledger.on_dropped(dropped_attempts)
         for group_id in no_signal_group_ids:  # consumed by the trainer: out of the run, with why
@@ -279,8 +281,8 @@ class RolloutProducer:
         return (not s.is_paused and self.control.run_id is not None
                 and len(s.inflight) < self.cfg.rollout.max_inflight_groups
                 and len(self.outbox) < MAX_OUTBOX
-                and version_allows(self.ledger.budget_used(), s.version, self.cfg.trainer.batch_groups,
-                                   self.max_staleness))
+                and version_allows(len(self.ledger.outstanding), s.version, s.step,
+                                   self.cfg.trainer.batch_groups, self.max_staleness))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

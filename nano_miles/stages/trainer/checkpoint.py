@@ -8,7 +8,7 @@ directory (config.json, model.safetensors, generation_config.json, the tokenizer
 template), so `from_pretrained` and `sglang.launch_server --model-path` take it as it is,
 `python -m nano_miles.export` copies it out without the trainer's files; then `trainer_state.pt` (the
 optimizer's and the learning-rate schedule's state, step, weight version, data cursor, which groups
-each step trained or skipped, the run's identity and token counts) and, written last,
+each step trained or skipped, the run's identity, the train split's and token counts) and, written last,
 `manifest.json`: the size and SHA-256 of every other file. It is written under a `.tmp` name, every
 file and the directory are fsynced, and only then is it renamed into place.
 
@@ -53,6 +53,7 @@ class TrainerState:
     started_at: float = 0.0                                     # unix time the run started
     num_trained_tokens: int = 0                                 # response tokens in the model (goodput)
     num_generated_tokens: int = 0                               # the producer's count at its last reply
+    split: dict = field(default_factory=dict)                   # `nano_miles.tasks.split_identity`
 
     @property
     def trained_ids(self) -> set[str]:
@@ -64,6 +65,7 @@ class TrainerState:
 
     @classmethod
     def from_saved(cls, saved: dict) -> "TrainerState":
+        saved = {"split": {}, **saved}  # written before the split was recorded: unknown, not compared
         values = {f.name: saved[f.name] for f in fields(cls)}
         return cls(**{**values, "trained_by_step": {int(k): list(v) for k, v in values["trained_by_step"].items()},
                       "no_signal_ids": set(values["no_signal_ids"]), "started_at": float(values["started_at"]),

@@ -5,7 +5,8 @@ Library module used by the step loop (`step_loop.py`). Every call here survives 
 * the producer restarted (its incarnation changed) -> `restore` the trainer's durable state, `resume`;
 * the engine restarted (it serves base weights again) -> push the current weights before anything;
 * the engine or producer is down -> wait for it, with a log line naming what is awaited, up to a
-  deadline; past it, raise, so that the trainer exits non-zero and supervisord restarts it.
+  deadline; past it, raise, so that the trainer exits non-zero and supervisord restarts it; at once,
+  with StopRequested, when the trainer is stopping (`is_stopping`): a shutdown stops every stage.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache
 from nano_miles.engine.group import make_engine
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
+from nano_miles.run.process import StopRequested
 from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.tensor_sender import TensorSender
@@ -45,16 +47,18 @@ def make_sender(cfg: Config, engine):
 class Peers:
     def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], RestoreState], *,
                  run_id: str, on_producer_restart: Callable[[], None] = lambda: None,
-                 on_restored: Callable[[ProducerStatus], None] = lambda status: None):
+                 on_restored: Callable[[ProducerStatus], None] = lambda status: None,
+                 is_stopping: Callable[[], bool] = lambda: False):
         t = cfg.trainer
         self.cfg = cfg
         self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
         self.sender = make_sender(cfg, self.engine)
         self.control = ControlClient(ctx, cfg.rollout.control_endpoint, run_id=run_id,
-                                     timeout_s=t.control_timeout_s, retries=t.control_retries)
+                                     timeout_s=t.control_timeout_s, retries=t.control_retries, give_up=is_stopping)
         self.durable_state = durable_state  # the trainer's durable state, as `restore` sends it
         self.on_producer_restart = on_producer_restart
         self.on_restored = on_restored      # the producer's reply to `restore`, its whole ledger of drops
+        self.is_stopping = is_stopping      # the trainer is stopping: no wait for a peer
         self.version = -1                   # what the engine serves, as far as we know
         self.producer: ProducerStatus | None = None  # from the producer's last reply
         self.update_split_ms: dict[str, float] = {}
@@ -70,6 +74,7 @@ class Peers:
                 result = self.control.request(cmd, **args)
                 break
             except ControlTimeout:
+                self.stop_waiting_if_stopping(f"the rollout producer ({cmd})")
                 if time.monotonic() > deadline:
                     raise
                 liveness.beat("the rollout producer")
@@ -109,11 +114,16 @@ class Peers:
         deadline = time.monotonic() + timeout_s
         while True:
             liveness.beat("the engine")
+            self.stop_waiting_if_stopping("the engine")
             try:
                 return self.engine.wait_until_healthy(min(10.0, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
+
+    def stop_waiting_if_stopping(self, what: str) -> None:
+        if self.is_stopping():
+            raise StopRequested(f"stopped while waiting for {what}")
 
     def update_weights(self, model, version: int, *, tell_producer: bool = True) -> float:
         """pause -> push weights tagged `version` -> resume; returns seconds taken.

@@ -6,10 +6,12 @@ The modules it names, in the order a batch meets them: `nano_miles/wire/data.py`
 log-probs, `nano_miles/algo/loss.py` for the loss), `peers.py` (commit, weight update through
 `nano_miles/weights/`), `checkpoint.py`, `evaluate.py`, `nano_miles/observe/run_record.py`.
 
-The step loop (`Trainer.train`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
+The step loop (`Trainer.take_step`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
 update weights -> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer,
 version, data cursor, which groups each step trained); after a crash it resumes from its newest
 checkpoint, and every group trained after that checkpoint is issued again by the producer.
+A SIGTERM (`request_stop`) drops a batch still being pulled, records a step already trained without
+what needs a peer (`publish`), checkpoints the last step trained and raises StopRequested.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from nano_miles.observe.run_record import (RunRecord, StepRecord, format_step_li
                                            summarize)
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.run.identity import ensure_run_identity, write_run_identity
+from nano_miles.run.identity import ensure_run_identity, refuse_another_split, write_run_identity
+from nano_miles.run.process import StopRequested
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
@@ -47,7 +50,8 @@ CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, num_items: int):
+    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, split: dict):
+        """`split`: `nano_miles.tasks.split_identity` of the train split the group ids number."""
         self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
@@ -56,19 +60,23 @@ class Trainer:
         self.max_staleness = cfg.run.effective_max_staleness
         self.run_dir = cfg.run_dir
         self.state = TrainerState()
-        self.resume_from_checkpoint()
+        self.resume_from_checkpoint(split)
+        self.saved_step = self.step  # the step of the newest checkpoint (0: the base model needs none)
+        self.is_stop_requested = False
         self.trained_ids: set[str] = self.state.trained_ids
-        self.num_items = num_items  # the train split's size: group ids <-> dataset positions
+        self.num_items = split["num_items"]  # group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc(),
-                           on_restored=self.adopt_no_signal)
+                           on_restored=self.adopt_no_signal, is_stopping=lambda: self.is_stop_requested)
         self.dropped: dict[str, int] = {}  # id -> newest attempt refused since the last commit: re-issued
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
         self.received_times: list[tuple[float, float, float]] = []  # (issued, generated, received) unix s
         self.last_peer_check = 0.0  # when a pull last looked after the engine and the producer (perf_counter s)
         self.record = RunRecord(cfg, make_decoder(tokenizer, skip_special_tokens=False))
+        # what steps a restart redoes generated was spent too: not rolled back with the checkpoint
+        self.state.num_generated_tokens = max(self.state.num_generated_tokens, self.record.num_generated_tokens())
 
     @property
     def step(self) -> int:
@@ -76,59 +84,107 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
-        self.connect()
-        engine_busy_start = self.peers.engine_busy_s()
-        if self.step == 0:
-            self.state.evals.append(self.evaluate())
-        while self.step < self.cfg.trainer.num_steps:
-            self.state.step += 1
-            liveness.beat()
-            started = time.perf_counter()
-            groups, wait_s = self.pull_batch()
-            self.record.write_rollouts(self.step, groups)
-            self.record.write_samples(self.step, groups)
-            stats = self.optimize(groups)
+        """Every step left, then the summary; after `request_stop`, StopRequested."""
+        try:
+            self.connect()
+            engine_busy_start = self.peers.engine_busy_s()
+            if self.lacks_due_evaluation():  # the start of the run, or a step stopped before its evaluation
+                self.state.evals.append(self.evaluate())
+            while self.step < self.cfg.trainer.num_steps:
+                self.take_step()
+            return self.finish(engine_busy_start)
+        except StopRequested:
+            self.checkpoint()
+            log.warning("stopped (SIGTERM) after step %d of %d; checkpoint %s", self.step,
+                        self.cfg.trainer.num_steps, self.saved_step)
+            raise
+
+    def take_step(self) -> None:
+        liveness.beat()
+        started = time.perf_counter()
+        groups, wait_s = self.pull_batch()  # a stop while pulling: nothing of this step happened
+        self.state.step += 1  # from here on the model holds it: what `restore` and the version gate count
+        self.record.write_rollouts(self.step, groups)
+        self.record.write_samples(self.step, groups)
+        stats = self.optimize(groups)
+        record = self.publish(stats, wait_s)
+        record.step_s = time.perf_counter() - started
+        record.elapsed_s = self.elapsed_s()
+        record.phase_s = step_phases(record, self.received_times)
+        self.received_times = []
+        log.info(format_step_line(record.to_json(), self.cfg.trainer.num_steps))
+        self.metrics.step_done(record)
+        self.record.write_step(record)
+        if self.is_due(self.cfg.trainer.checkpoint_every):
+            self.checkpoint()
+        self.stop_if_requested()
+
+    def publish(self, stats: StepStats, wait_s: float) -> StepRecord:
+        """Commit, push the weights, evaluate when due: the step's record. After a stop request none of it
+        starts and a wait for a peer ends (its stop is ours): the restart's `connect` and
+        `lacks_due_evaluation` do what is left."""
+        evaluation, eval_s = None, 0.0
+        try:
+            self.stop_if_requested()
             self.commit(self.step, self.state.trained_by_step[self.step])
             # after the last step the producer is not resumed: nothing more will be trained
             stats.update_ms = 1000 * self.peers.update_weights(
                 self.model, self.step, tell_producer=self.step < self.cfg.trainer.num_steps)
-            self.state.version = self.step
-            record = self.step_record(stats, wait_s)
             if self.is_due(self.cfg.trainer.eval_every):
+                self.stop_if_requested()
                 eval_started = time.perf_counter()
-                self.state.evals.append(self.evaluate())
-                record.evaluation = self.state.evals[-1]
-                record.eval_s = time.perf_counter() - eval_started  # part of this step, not training
-            record.step_s = time.perf_counter() - started
-            record.elapsed_s = self.elapsed_s()
-            record.phase_s = step_phases(record, self.received_times)
-            self.received_times = []
-            log.info(format_step_line(record.to_json(), self.cfg.trainer.num_steps))
-            self.metrics.step_done(record)
-            self.record.write_step(record)
-            if self.is_due(self.cfg.trainer.checkpoint_every):
-                save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state)
-        return self.finish(engine_busy_start)
+                evaluation = self.evaluate()
+                eval_s = time.perf_counter() - eval_started  # part of this step, not training
+                self.state.evals.append(evaluation)
+        except StopRequested:
+            log.warning("stopping: step %d is trained; its commit, push and evaluation are left to the restart",
+                        self.step)
+        self.state.version = self.step  # the weights' version, served now or pushed at the restart
+        record = self.step_record(stats, wait_s)
+        record.evaluation, record.eval_s = evaluation, eval_s
+        return record
 
     def is_due(self, every: int) -> bool:
         return self.step == self.cfg.trainer.num_steps or (every > 0 and self.step % every == 0)
 
+    def lacks_due_evaluation(self) -> bool:
+        return (self.step == 0 or self.is_due(self.cfg.trainer.eval_every)) \
+            and all(e["step"] != self.step for e in self.state.evals)
+
+    def checkpoint(self) -> None:
+        """Save the state after the last step trained, unless the newest checkpoint holds it already."""
+        if self.step != self.saved_step:
+            save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state)
+            self.saved_step = self.step
+
+    def request_stop(self) -> None:  # SIGTERM's handler: a flag, read where stopping is safe
+        self.is_stop_requested = True
+
+    def stop_if_requested(self) -> None:
+        if self.is_stop_requested:
+            raise StopRequested(f"stop requested at step {self.step}")
+
     # ------------------------------------------------------------------ start and end
-    def resume_from_checkpoint(self) -> None:
+    def resume_from_checkpoint(self, split: dict) -> None:
         """The newest checkpoint of this run directory that verifies; else `trainer.resume_from`
         (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
-        start. So a restarted trainer always picks up its own newest step, never resume_from again."""
+        start. So a restarted trainer always picks up its own newest step, never resume_from again.
+        A checkpoint made under another train split is refused (`refuse_another_split`)."""
         loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner)
-        if loaded is None and self.cfg.trainer.resume_from:
+        is_continued = loaded is None and bool(self.cfg.trainer.resume_from)
+        if is_continued:
             loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner)
-            write_run_identity(self.run_dir, loaded[1].run_id, loaded[1].started_at)
         if loaded is not None:
             path, self.state = loaded
+            refuse_another_split(self.state.split, split, path)
+            if is_continued:
+                write_run_identity(self.run_dir, self.state.run_id, self.state.started_at)
             log.warning("resuming run %s from step %d of %d (%s; %d groups trained)", self.state.run_id, self.step,
                         self.cfg.trainer.num_steps, path, len(self.state.trained_ids))
         else:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
             log.info("starting run %s in %s", self.state.run_id, self.run_dir)
+        self.state.split = split  # also into a checkpoint made before the split was recorded
 
     def elapsed_s(self) -> float:
         """Wall time since the run started, time lost to restarts included."""
@@ -181,22 +237,24 @@ class Trainer:
     def pull_batch(self) -> tuple[list[ScoredGroup], float]:
         """Pull until `batch_groups` groups pass the admission rules (`nano_miles/algo/admission.py`),
         then put them in dataset order; every refused group is counted by its reason."""
+        step = self.step + 1  # the step this batch is for
         started = self.last_peer_check = time.perf_counter()
         batch: list[ScoredGroup] = []
         batch_ids: set[str] = set()
         while len(batch) < self.cfg.trainer.batch_groups:
+            self.stop_if_requested()  # between two groups: what is received so far is issued again
             scored = self.receive(started, len(batch))
             if scored is None:
                 continue
             group = scored.group
             reason = admission.refusal(
-                self.step, oldest_version=group.oldest_version,
+                step, oldest_version=group.oldest_version,
                 newest_version=group.newest_version,
                 is_consumed=group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids
                 or group.group_id in batch_ids, max_staleness=self.max_staleness,
                 has_signal=bool(scored.advantages.any()), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
             if reason is None:
-                self.metrics.staleness.observe(admission.staleness(self.step, group.oldest_version))
+                self.metrics.staleness.observe(admission.staleness(step, group.oldest_version))
                 batch.append(scored)
                 batch_ids.add(group.group_id)
             else:
@@ -213,7 +271,7 @@ class Trainer:
         if self.dropped or self.unreported_no_signal:
             # report at once: until it hears, the producer counts them against its version gate,
             # and in sync mode it issues no replacement
-            self.commit(max(0, self.step - 1), [])
+            self.commit(self.step, [])
         if not self.pull.poll(1000, zmq.POLLIN):
             waited = time.perf_counter() - started
             if waited > PULL_TIMEOUT_S:
@@ -301,6 +359,7 @@ class Trainer:
                           update_split_ms=self.peers.update_split_ms,
                           queue_depth=p.num_outstanding - p.num_inflight,
                           goodput=self.state.num_trained_tokens / generated if generated else None,
+                          num_generated_tokens=generated,
                           num_resumed_samples=p.num_resumed_samples,
                           group_ids=self.state.trained_by_step[self.step], drops=dict(self.drops))
 
