@@ -2,7 +2,8 @@
 Used by the rollout producer and the trainer; try `EngineClient("http://127.0.0.1:30000").health()`.
 
 Thread-safe: each thread keeps its own keep-alive connection. Non-2xx answers raise EngineError with the
-server's message. Logprob entries are read by index (e[0] the logprob, e[1] the token id), never
+server's message; `is_permanent` tells a refused request (retrying cannot help) from an engine that is
+down or busy. A request the engine would refuse for its shape (an empty batch) is never sent. Logprob entries are read by index (e[0] the logprob, e[1] the token id), never
 unpacked: SGLang sends [logprob, token_id, text] (the local engine too, text None), and a field it
 appends later must not break the client.
 """
@@ -18,12 +19,20 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
+RETRYABLE_4XX = (408, 409, 429)  # timeout, conflict, too many requests: worth another try
+
 
 class EngineError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"engine answered HTTP {status}: {message}")
         self.status = status
         self.message = message
+
+
+def is_permanent(e: Exception) -> bool:
+    """A 4xx that will fail the same way every time (e.g. the prompt is longer than the context): the
+    engine is up and refused this request, so neither a retry nor waiting for the engine can help."""
+    return isinstance(e, EngineError) and 400 <= e.status < 500 and e.status not in RETRYABLE_4XX
 
 
 def _error_message(raw: bytes) -> str:
@@ -176,7 +185,11 @@ class EngineClient:
 
     def generate(self, input_ids, sampling_params, *, return_logprob: bool = True,
                  logprob_start_len: int | None = None, rid=None):
-        """One prompt ([int]) -> one response dict; a batch ([[int]]) -> a list in input order."""
+        """One prompt ([int]) -> one response dict; a batch ([[int]]) -> a list in input order.
+        An empty prompt or batch is a caller's bug: ValueError, and nothing is sent."""
+        prompts = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        if not all(prompts):
+            raise ValueError("generate needs at least one prompt, each of at least one token")
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if logprob_start_len is not None:
             body["logprob_start_len"] = logprob_start_len
