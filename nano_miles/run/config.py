@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nano_miles.run.cli import ArgumentParser, UserError, run
+from nano_miles.run.paths import check_paths
 from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
                                   NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
                                   URL_OR_EMPTY, URLS, above, at_least, between, checked, one_of)
@@ -372,20 +373,6 @@ def parse_config(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Conf
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     check_paths(cfg)
     return cfg, args
-
-
-def check_paths(cfg: Config) -> None:
-    """Paths a stage would trip over later, looked up on disk (the sections check values only, so a
-    config can be built and printed on a machine without them)."""
-    if not (cfg.model_dir / "config.json").is_file():
-        raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
-                          "(no config.json there)")
-    if cfg.trainer.resume_from and not Path(cfg.trainer.resume_from).is_dir():
-        raise ConfigError(f"trainer.resume_from {cfg.trainer.resume_from!r} is not a directory "
-                          "(a checkpoint, or a run directory with checkpoints/)")
-    if cfg.security.curve_dir and not (Path(cfg.security.curve_dir) / "allowed").is_dir():
-        raise ConfigError(f"security.curve_dir {cfg.security.curve_dir!r} holds no CURVE keys "
-                          "(python -m nano_miles.run.keys DIR makes them)")
 
 
 def main(argv: list[str]) -> int:

@@ -57,7 +57,7 @@ def _is_shell_words(text: str) -> bool:
     return True
 
 
-ANY_TEXT = Rule("a string", lambda v: isinstance(v, str))  # paths: config.check_paths looks them up on disk
+ANY_TEXT = Rule("a string", lambda v: isinstance(v, str))  # paths: paths.check_paths looks them up on disk
 NON_EMPTY = Rule("a non-empty string", lambda v: bool(v.strip()))
 BOOL = Rule("true or false", lambda v: isinstance(v, bool))
 FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
