@@ -24,6 +24,18 @@ def test_layers_and_types(tmp_path, monkeypatch):
     assert cfg.run.max_staleness == 2 and args.out == "x.y"
 
 
+def test_a_key_counts_as_set_only_where_the_user_chose_it(tmp_path, monkeypatch):
+    """configs/default.toml spells out the defaults: its keys are not the user's choice; any other
+    config file's keys and every override are."""
+    assert load_config().set_keys == frozenset() and load_config("configs/default.toml").set_keys == frozenset()
+    f = tmp_path / "c.toml"
+    f.write_text("[task]\nnum_test = 200\n")
+    monkeypatch.setenv("NANOMILES_OVERRIDES", "--trainer.lr=1e-3")
+    cfg = load_config(f, ["--run.seed=1"])
+    assert cfg.set_keys == {"task.num_test", "trainer.lr", "run.seed"}
+    assert cfg.is_set("task.num_test") and not cfg.is_set("task.num_train") and not Config().is_set("run.seed")
+
+
 def test_dump_round_trips(tmp_path):
     cfg = load_config(overrides=["--model.path=/some dir/with \"quotes\"", "--trainer.lr=0.125"])
     f = tmp_path / "dump.toml"

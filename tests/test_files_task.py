@@ -13,7 +13,7 @@ import pytest
 
 from harness.servers import REPO_ROOT, proc_command
 from nano_miles.run.cli import UserError
-from nano_miles.run.config import Config, RunConfig, TaskConfig
+from nano_miles.run.config import Config, RunConfig, TaskConfig, load_config
 from nano_miles.tasks import Problem, load_problems
 from nano_miles.tasks.files import read_problems
 from nano_miles.tasks.prompts import encode_prompts, end_of_turn_id, load_tokenizer, prompt_text, stop_token_ids
@@ -100,6 +100,41 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key,
 def test_holding_out_more_than_the_file_is_refused(gsm8k_style):
     with pytest.raises(UserError, match=r"holds 120 records: holding out task.num_test = 200"):
         load_problems(files_config(gsm8k_style, prompt_key="question", label_key="answer"), "train")
+
+
+def test_no_held_out_set_is_refused_at_the_start(gsm8k_style, tmp_path, monkeypatch):
+    """The trainer evaluates the test split at least once (trainer.eval_every = 0: at the end), so a
+    config that leaves it empty is refused where the split is made, in every stage that reads it."""
+    cfg = files_config(gsm8k_style, prompt_key="question", label_key="answer", num_test=0)
+    for split in ("train", "test"):
+        with pytest.raises(UserError, match=r"task.num_test = 0 .* there is none: set task.test_file, or "
+                                            r"task.num_test > 0"):
+            load_problems(cfg, split)
+    # a task of the user's whose test split is empty: the same one line, whatever made it empty
+    (tmp_path / "no_tests.py").write_text(
+        "from nano_miles.tasks import Problem\n"
+        "def load_split(cfg, split):\n    return [Problem('1+1', '2')] if split == 'train' else []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"^the test split of no_tests is empty: the trainer evaluates it$"):
+        load_problems(Config(task=TaskConfig(name="no_tests")), "test")
+
+
+def test_a_test_file_shorter_than_num_test(tmp_path, caplog):
+    """Left at its default, task.num_test takes a shorter test file whole and says so in one line; set
+    by the user, it must fit, and the error names both numbers."""
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    write_jsonl(train, make_records("train", 30))
+    write_jsonl(test, make_records("test", 7))
+    overrides = [f"--task.name={FILES}", f"--task.train_file={train}", f"--task.test_file={test}",
+                 "--task.prompt_key=question", "--task.label_key=answer"]
+    with caplog.at_level("WARNING", logger="nano_miles.tasks"):
+        assert len(load_problems(load_config(overrides=overrides), "test")) == 7
+    assert [r.getMessage() for r in caplog.records] == [
+        f"task.num_test is 200 by default, but the test split of {FILES} holds 7 problems: using all 7"]
+    with pytest.raises(UserError, match=r"^task.num_test is 200, but the test split of .* holds 7 problems: set "
+                                        r"at most 7, or 0 to take them all$"):
+        load_problems(load_config(overrides=overrides + ["--task.num_test=200"]), "test")
+    assert len(load_problems(load_config(overrides=overrides + ["--task.num_test=5"]), "test")) == 5
 
 
 def test_parquet_and_datasets_directories(tmp_path):

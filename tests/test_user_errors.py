@@ -20,6 +20,7 @@ ENTRY_POINTS = {
     "word_problems": "nano_miles.tasks.word_problems",
 }
 READS_CONFIG = ("rollout", "reward", "trainer", "engine", "top", "status", "config")
+WORD_PROBLEMS = REPO_ROOT / "examples" / "word_problems" / "train.jsonl"
 TIMEOUT_S = 30  # each case fails before anything heavy is imported: well under a second
 
 
@@ -95,6 +96,8 @@ MISTAKES = [
     ("reward", ["--reward.fns=[\"nope.mod:fn\"]"], "reward.fns[0]"),
     ("rollout", ["--task.name=nano_miles.tasks.files"], "task.train_file"),
     ("trainer", ["--task.name=nano_miles.tasks.files", "--task.train_file=nowhere.jsonl"], "nowhere.jsonl"),
+    ("trainer", ["--task.name=nano_miles.tasks.files", f"--task.train_file={WORD_PROBLEMS}",
+                 "--task.prompt_key=question", "--task.label_key=answer", "--task.num_test=0"], "task.test_file"),
 ]
 
 

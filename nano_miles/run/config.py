@@ -141,7 +141,8 @@ class TaskConfig(Section):
     name: str = checked("nano_miles.tasks.arithmetic", MODULE)  # imported, and its size checked, at stage start
                                                       # (nano_miles.tasks.files: a user's data file)
     num_train: int = checked(0, at_least(0))          # the first N train problems; 0 = all
-    num_test: int = checked(200, at_least(0))         # held-out problems evaluated; 0 = all
+    num_test: int = checked(200, at_least(0))         # held-out problems evaluated; 0 = all (a file task:
+                                                      # all of test_file; without one, > 0 of train_file)
     seed: int = checked(0, at_least(0))               # arithmetic: which problems (files: run.seed shuffles)
     train_file: str = checked("", ANY_TEXT)           # files: .jsonl, .json, .parquet or a datasets directory
     test_file: str = checked("", ANY_TEXT)            # files: held-out data; "" = a fixed slice of train_file
@@ -247,6 +248,13 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    set_keys = frozenset()  # "section.key"s the user chose, filled by load_config (not a field: never dumped)
+
+    def is_set(self, dotted: str) -> bool:
+        """Whether the user chose `section.key` (in a config file other than configs/default.toml, which
+        spells out the defaults, or by an override), as opposed to its default applying. A Config built
+        in code has none set."""
+        return dotted in self.set_keys
 
     @property
     def run_dir(self) -> Path:
@@ -303,11 +311,13 @@ def _coerce(section: str, key: str, value, default):
     return value
 
 
-def _apply(raw: dict[str, dict], table: dict, origin: str) -> None:
+def _apply(raw: dict[str, dict], table: dict, origin: str) -> set[str]:
+    """Merge `table` into `raw`; the "section.key"s it set."""
     for section, values in table.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{origin}: [{section}] must be a table")
         raw.setdefault(section, {}).update(values)
+    return {f"{section}.{key}" for section, values in table.items() for key in values}
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict]:
@@ -334,10 +344,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     raw: dict[str, dict] = {}
-    _apply(raw, file_table, str(path))
-    _apply(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
-           "$NANOMILES_OVERRIDES")
-    _apply(raw, parse_overrides(overrides or []), "command line")
+    set_keys = _apply(raw, file_table, str(path))
+    if path.resolve() == DEFAULT_CONFIG.resolve():
+        set_keys = set()  # the defaults spelled out: not the user's choice
+    set_keys |= _apply(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
+                       "$NANOMILES_OVERRIDES")
+    set_keys |= _apply(raw, parse_overrides(overrides or []), "command line")
     built = {}
     for f in dataclasses.fields(Config):
         default = f.default_factory()
@@ -350,7 +362,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         built[f.name] = type(default)(**{k: _coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
     if raw:
         raise ConfigError(f"unknown section(s): {', '.join(sorted(raw))} (known: {', '.join(built)})")
-    return Config(**built)
+    cfg = Config(**built)
+    cfg.set_keys = frozenset(set_keys)
+    return cfg
 
 
 def is_override(arg: str) -> bool:

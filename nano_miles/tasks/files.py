@@ -10,8 +10,8 @@ library; Parquet and `datasets.save_to_disk` directories need the `datasets` pac
 
 The train split is shuffled by `run.seed`; group ids are positions in that order, so every process
 and every restart agrees on which problem a group is. The test split is `task.test_file` or,
-without one, a held-out slice of the train file: the `task.num_test` records whose prompts hash
-lowest, the same slice whatever the seed or the file's order. A record that cannot be used (missing
+without one, a held-out slice of the train file: the `task.num_test` records (then at least 1)
+whose prompts hash lowest, the same slice whatever the seed or the file's order. A record that cannot be used (missing
 key, empty prompt, invalid JSON) stops the stage reading it with one line naming the file, the
 record's line and the key: nothing is skipped without a word.
 """
@@ -138,6 +138,9 @@ def load_split(cfg, split: str) -> list[Problem]:
         return read_problems(t.test_file, keys, "test")
     problems = read_problems(t.train_file, keys, "train")
     if not t.test_file:  # the held-out slice: chosen by content, so no seed or file order moves it
+        if t.num_test == 0:  # "all of them" has no meaning for a slice cut from the train file
+            raise UserError("task.num_test = 0 evaluates the whole test file, and there is none: set "
+                            f"task.test_file, or task.num_test > 0 to hold out that many records of {t.train_file}")
         if len(problems) <= t.num_test:
             raise UserError(f"{t.train_file} holds {len(problems)} records: holding out task.num_test = "
                             f"{t.num_test} for evaluation leaves none to train on (set task.test_file, "
