@@ -7,25 +7,26 @@ Layering, lowest first: the dataclass defaults below, the TOML file (`configs/de
 how supervisord-launched stages get per-run settings), then command-line overrides. Each process reads
 the whole file and uses its own section; unknown sections or keys are errors, never silently ignored.
 Every field declares what it accepts next to its default (`rules.py`): a value out of range is an
-error at the process's start, naming the key, not a failure later inside a stage.
+error at the process's start, naming the key, not a failure later inside a stage. `values.py` reads
+a value as its field's type; `paths.py` looks up on disk the paths the stages will need.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nano_miles.run.cli import ArgumentParser, UserError, run
+from nano_miles.run.cli import ArgumentParser, run
 from nano_miles.run.paths import check_paths
 from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
                                   NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
                                   URL_OR_EMPTY, URLS, above, at_least, between, checked, one_of)
+from nano_miles.run.values import ConfigError, coerce, merge, parse_overrides, toml_scalar
 from nano_miles.wire.control import PAUSE_MODES
 
 # Relative paths are the working directory's, as for any command: supervisord runs every stage in the
@@ -33,10 +34,6 @@ from nano_miles.wire.control import PAUSE_MODES
 # elsewhere) the built-in defaults apply; that file spells them out, and tests/test_config.py keeps the two equal.
 DEFAULT_CONFIG = Path("configs") / "default.toml"
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parents[1] / "assets" / "policy"  # the shipped small policy
-
-
-class ConfigError(UserError):
-    """A config file or override that cannot be used; the message names the key."""
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
@@ -273,64 +270,9 @@ class Config:
         lines = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml_scalar(v)}" for k, v in values.items()]
+            lines += [f"{k} = {toml_scalar(v)}" for k, v in values.items()]
             lines.append("")
         return "\n".join(lines)
-
-
-def _toml_scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    return repr(value)
-
-
-def _parse_value(text: str):
-    """TOML scalar if it parses as one (numbers, booleans, quoted strings, lists), else a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _coerce(section: str, key: str, value, default):
-    where = f"{section}.{key}"
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, not {value!r}")
-    elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, not {value!r}")
-    elif isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, not {value!r}")
-        value = float(value)
-    elif isinstance(default, str) and not isinstance(value, str):
-        value = str(value)
-    return value
-
-
-def _apply(raw: dict[str, dict], table: dict, origin: str) -> set[str]:
-    """Merge `table` into `raw`; the "section.key"s it set."""
-    for section, values in table.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"{origin}: [{section}] must be a table")
-        raw.setdefault(section, {}).update(values)
-    return {f"{section}.{key}" for section, values in table.items() for key in values}
-
-
-def parse_overrides(args: list[str]) -> dict[str, dict]:
-    """['--trainer.lr=1e-3', ...] -> {'trainer': {'lr': 0.001}}."""
-    table: dict[str, dict] = {}
-    for arg in args:
-        body = arg[2:] if arg.startswith("--") else arg
-        if "=" not in body or "." not in body.split("=", 1)[0]:
-            raise ConfigError(f"override {arg!r} must look like --section.key=value")
-        dotted, text = body.split("=", 1)
-        section, key = dotted.split(".", 1)
-        table.setdefault(section, {})[key] = _parse_value(text)
-    return table
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -344,12 +286,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
     raw: dict[str, dict] = {}
-    set_keys = _apply(raw, file_table, str(path))
+    set_keys = merge(raw, file_table, str(path))
     if path.resolve() == DEFAULT_CONFIG.resolve():
         set_keys = set()  # the defaults spelled out: not the user's choice
-    set_keys |= _apply(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
+    set_keys |= merge(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
                        "$NANOMILES_OVERRIDES")
-    set_keys |= _apply(raw, parse_overrides(overrides or []), "command line")
+    set_keys |= merge(raw, parse_overrides(overrides or []), "command line")
     built = {}
     for f in dataclasses.fields(Config):
         default = f.default_factory()
@@ -359,7 +301,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if unknown:
             raise ConfigError(f"unknown key(s) in [{f.name}]: {', '.join(sorted(unknown))} "
                               f"(known: {', '.join(defaults)})")
-        built[f.name] = type(default)(**{k: _coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
+        built[f.name] = type(default)(**{k: coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
     if raw:
         raise ConfigError(f"unknown section(s): {', '.join(sorted(raw))} (known: {', '.join(built)})")
     cfg = Config(**built)
