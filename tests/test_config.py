@@ -84,6 +84,7 @@ def test_bad_overrides_are_named(override, match):
     ("--reward.fns=[\"a:b\", 3]", r"reward.fns must be a list of \"package.module:function\" strings"),
     ("--reward.weights=[1, true]", r"reward.weights must be a list of finite numbers"),
     ("--trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
+    ("--reward.max_failure_fraction=1.5", r"reward.max_failure_fraction must be in \[0, 1\]"),
     ("--run.dir=", r"run.dir must be a non-empty string"),
 ])
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
