@@ -6,6 +6,7 @@ Run: pytest tests/test_files_task.py
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -69,20 +70,47 @@ def test_a_test_file_dotted_keys_and_chat_messages(tmp_path):
     assert load_problems(cfg, "test") == [Problem("1+1?", "2")]
 
 
-@pytest.mark.parametrize("content, key, message", [
-    (None, "prompt", r"{path}: no such file \(task.train_file\)"),
-    ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n', "prompt", r"{path}:2: no key 'label' \(task.label_key\); the record has 'prompt'"),
-    ('{"prompt": "a", "label": "1"}\n\n{"prompt": "  ", "label": "2"}\n', "prompt", r"{path}:3: empty prompt under 'prompt'"),
-    ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": \n', "prompt", r"{path}:2: not valid JSON"),
-    ('{"q": "a", "label": "1"}\n', "question", r"{path}:1: no key 'question' \(task.prompt_key\)"),
-    ('["a", "b"]\n', "prompt", r"{path}:1: a record must be a JSON object"),
-    ('{"prompt": 7, "label": "1"}\n', "prompt", r"{path}:1: 'prompt' must be text or a list of chat messages"),
-    ("\n\n", "prompt", r"{path}: no records"),
-])
-def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key, message):
-    path = tmp_path / "data.jsonl"
-    if content is not None:
-        path.write_text(content)
+DIRECTORY = object()  # the path is a directory that no datasets' save_to_disk wrote
+NEEDS_PARQUET = "needs the datasets package to read Parquet"
+# (file name, what it holds: text, bytes, None = nothing there, DIRECTORY; the prompt key; the one line)
+BAD_DATA = [
+    ("data.jsonl", None, "prompt", r"{path}: no such file \(task.train_file\)"),
+    ("data.jsonl", '{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n', "prompt",
+     r"{path}:2: no key 'label' \(task.label_key\); the record has 'prompt'"),
+    ("data.jsonl", '{"prompt": "a", "label": "1"}\n\n{"prompt": "  ", "label": "2"}\n', "prompt",
+     r"{path}:3: empty prompt under 'prompt'"),
+    ("data.jsonl", '{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": \n', "prompt", r"{path}:2: not valid JSON"),
+    ("data.json", '[{"prompt": "a", "label": "1"},\n {"prompt": "b"', "prompt", r"{path}:2: not valid JSON"),
+    ("data.jsonl", '{"q": "a", "label": "1"}\n', "question", r"{path}:1: no key 'question' \(task.prompt_key\)"),
+    ("data.jsonl", '["a", "b"]\n', "prompt", r"{path}:1: a record must be a JSON object"),
+    ("data.jsonl", '{"prompt": 7, "label": "1"}\n', "prompt", r"{path}:1: 'prompt' must be text or a list of chat messages"),
+    ("data.jsonl", "\n\n", "prompt", r"{path}: no records"),
+    ("data.jsonl", b'{"prompt": "a", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n', "prompt",
+     r"{path}:2: not UTF-8 text \(byte 0xe9\); save the file as UTF-8"),
+    ("data.jsonl", '{"prompt": [{"role": "user"}], "label": "1"}\n', "prompt",
+     r"""{path}:1: chat messages under 'prompt' must be {{"role", "content"}} objects, not {{"role": "user"}}"""),
+    ("data.jsonl", '{"prompt": [{"role": "bot", "content": "hi"}], "label": "1"}\n', "prompt",
+     r"{path}:1: chat messages under 'prompt' must have a role of system, user, assistant or tool, not 'bot'"),
+    ("data.jsonl", '{"prompt": [{"role": "user", "content": ["hi"]}], "label": "1"}\n', "prompt",
+     r"{path}:1: chat messages under 'prompt' must have text content, not list"),
+    ("data.jsonl", '{"prompt": "a", "label": ["1", "one"]}\n', "prompt",
+     r"{path}:1: 'label' must be text or a number \(the reward function gets it as text\), not list"),
+    ("data.jsonl", '{"prompt": "a", "label": true}\n', "prompt", r"{path}:1: 'label' must be text or a number .*, not bool"),
+    ("data.jsonl", DIRECTORY, "prompt", r"{path}: a directory, but not one datasets' save_to_disk wrote"),
+    ("data", DIRECTORY, "prompt", r"{path}: a directory, but not one datasets' save_to_disk wrote"),
+    ("data.parquet", b"PAR1 cut short", "prompt", rf"{{path}}: (not readable as Parquet \(ArrowInvalid|{NEEDS_PARQUET})"),
+]
+
+
+@pytest.mark.parametrize("name, content, key, message", BAD_DATA,
+                         ids=[f"{i}-{row[0]}" for i, row in enumerate(BAD_DATA)])
+def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, name, content, key, message):
+    path = tmp_path / name
+    if content is DIRECTORY:
+        path.mkdir()
+        (path / "notes.txt").write_text("not a dataset")
+    elif content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
     pattern = message.format(path=path)
     with pytest.raises(UserError, match=pattern):
         read_problems(str(path), (key, "label"), "train")
@@ -90,16 +118,11 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key,
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
     result = subprocess.run([*proc_command("rollout"), f"--run.dir={tmp_path}/run",
                              f"--task.name={FILES}", f"--task.train_file={path}", f"--task.prompt_key={key}",
-                             "--task.num_test=0"],
+                             "--task.num_test=1", "--task.chat_template=true"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rollout: "), result.stderr
-
-
-def test_holding_out_more_than_the_file_is_refused(gsm8k_style):
-    with pytest.raises(UserError, match=r"holds 120 records: holding out task.num_test = 200"):
-        load_problems(files_config(gsm8k_style, prompt_key="question", label_key="answer"), "train")
+    assert len(lines) == 1 and lines[0].startswith("rollout: ") and re.search(pattern, lines[0]), result.stderr
 
 
 def test_no_held_out_set_is_refused_at_the_start(gsm8k_style, tmp_path, monkeypatch):

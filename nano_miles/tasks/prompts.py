@@ -22,6 +22,7 @@ from nano_miles.run.cli import UserError
 
 log = logging.getLogger(__name__)
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 TURN_MARK = "\u2063nano-miles\u2063"  # assistant text no template adds itself (invisible separators)
 
 
