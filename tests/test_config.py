@@ -36,6 +36,39 @@ def test_a_key_counts_as_set_only_where_the_user_chose_it(tmp_path, monkeypatch)
     assert cfg.is_set("task.num_test") and not cfg.is_set("task.num_train") and not Config().is_set("run.seed")
 
 
+@pytest.mark.parametrize("override, key, value", [
+    ("--run.dir=1e3", "run.dir", "1e3"),               # a string field takes the text as typed
+    ("--run.dir=true", "run.dir", "true"),
+    ("--task.system_prompt=[INST]", "task.system_prompt", "[INST]"),
+    ("--task.prompt_key={a=1}", "task.prompt_key", "{a=1}"),
+    ("--task.system_prompt='\"Be brief.\"'", "task.system_prompt", '"Be brief."'),  # TOML quotes come off
+    ('--task.system_prompt="Be brief."', "task.system_prompt", "Be brief."),
+    ("--trainer.lr=1e-3", "trainer.lr", 1e-3),         # any other field reads one TOML value
+    ("--reward.weights=[1, 0.5]", "reward.weights", [1, 0.5]),
+])
+def test_an_override_is_read_as_its_fields_type(override, key, value):
+    section, name = key.split(".")
+    fns = ['--reward.fns=["a:b", "c:d"]'] if section == "reward" else []
+    assert getattr(getattr(load_config(overrides=[override, *fns]), section), name) == value
+
+
+@pytest.mark.parametrize("override, match", [
+    ('--task.system_prompt="You are', r'^task.system_prompt: "You are opens a TOML string that does not parse'),
+    ("--trainer.lr=1\nx = 2", r"^trainer.lr must be a number, not '1\\nx = 2'$"),  # not one value
+    ("--reward.weights=[1, 2", r"^reward.weights must be a list of finite numbers, not '\[1, 2'$"),
+])
+def test_an_override_that_does_not_parse_is_named(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+def test_a_file_value_of_the_wrong_type_is_named(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[run]\ndir = 1e3\n")
+    with pytest.raises(ConfigError, match=r"^run.dir must be a string, not 1000.0 \(a TOML string is in quotes\)$"):
+        load_config(f)
+
+
 def test_dump_round_trips(tmp_path):
     cfg = load_config(overrides=["--model.path=/some dir/with \"quotes\"", "--trainer.lr=0.125"])
     f = tmp_path / "dump.toml"

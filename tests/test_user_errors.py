@@ -77,6 +77,7 @@ MISTAKES = [
     ("config", ["--trainer.lr", "1e-3"], "--trainer.lr"),
     ("config", ["--trainer.lr=fast"], "trainer.lr"),
     ("config", ["--trainer.bogus=1"], "bogus"),
+    ("config", ['--task.system_prompt="You are'], "task.system_prompt"),
     ("engine", ["--model.path=nowhere"], "model.path"),
     # values the config took before and a stage then tripped over, far from the flag
     ("trainer", ["--trainer.lr=-1"], "trainer.lr"),
