@@ -95,10 +95,12 @@ BAD_DATA = [
      r"{path}:1: chat messages under 'prompt' must have text content, not list"),
     ("data.jsonl", '{"prompt": "a", "label": ["1", "one"]}\n', "prompt",
      r"{path}:1: 'label' must be text or a number \(the reward function gets it as text\), not list"),
-    ("data.jsonl", '{"prompt": "a", "label": true}\n', "prompt", r"{path}:1: 'label' must be text or a number .*, not bool"),
+    ("data.jsonl", '{"prompt": "a", "label": true}\n', "prompt",
+     r"{path}:1: 'label' must be text or a number .*, not bool"),
     ("data.jsonl", DIRECTORY, "prompt", r"{path}: a directory, but not one datasets' save_to_disk wrote"),
     ("data", DIRECTORY, "prompt", r"{path}: a directory, but not one datasets' save_to_disk wrote"),
-    ("data.parquet", b"PAR1 cut short", "prompt", rf"{{path}}: (not readable as Parquet \(ArrowInvalid|{NEEDS_PARQUET})"),
+    ("data.parquet", b"PAR1 cut short", "prompt",
+     rf"{{path}}: (not readable as Parquet \(ArrowInvalid|{NEEDS_PARQUET})"),
 ]
 
 

@@ -166,14 +166,14 @@ def test_the_reward_process_exits_2_with_one_line(tmp_path):
     (tmp_path / "broken_reward.py").write_text("def reward(response, label):\n    return 'correct'\n")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")},
            "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    reward_endpoint = f"ipc://{tmp_path}/reward.sock"
-    proc = subprocess.Popen([*proc_command("reward"), f"--run.dir={tmp_path}/run", f"--reward.endpoint={reward_endpoint}",
+    endpoint = f"ipc://{tmp_path}/reward.sock"
+    proc = subprocess.Popen([*proc_command("reward"), f"--run.dir={tmp_path}/run", f"--reward.endpoint={endpoint}",
                              f"--trainer.endpoint=ipc://{tmp_path}/trainer.sock", "--reward.metrics_port=0",
                              "--reward.fn=broken_reward:reward"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ctx = zmq.Context()
     producer = ctx.socket(zmq.PUSH)
-    producer.connect(reward_endpoint)
+    producer.connect(endpoint)
     try:
         producer.send(encode_rollout(group_of(0, [5, 6, 7, 8])))
         _, stderr = proc.communicate(timeout=120)
