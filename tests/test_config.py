@@ -119,6 +119,7 @@ def test_bad_overrides_are_named(override, match):
     ("--trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
     ("--reward.max_failure_fraction=1.5", r"reward.max_failure_fraction must be in \[0, 1\]"),
     ("--run.dir=", r"run.dir must be a non-empty string"),
+    ("--run.max_staleness=2", r"^run.max_staleness = 2 bounds the staleness of run.mode=async; sync is on-policy"),
 ])
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
     with pytest.raises(ConfigError, match=match):

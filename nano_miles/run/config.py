@@ -64,11 +64,18 @@ class RunConfig(Section):
     dir: str = checked("runs/current", NON_EMPTY)     # run directory (relative to the repo root)
     seed: int = checked(0, at_least(0))
     mode: str = checked("sync", one_of("sync", "async"))  # sync: on-policy, staleness 0; async: bounded
-    max_staleness: int = checked(0, at_least(0))      # async only: samples this many versions older are dropped
+    max_staleness: int = checked(0, at_least(0))      # async only (sync refuses > 0): samples this many versions
+                                                      # older are dropped
     pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort (in-flight
                                                       # samples come back partial, are resumed), retract, in_place
     hang_timeout_s: float = checked(120.0, at_least(0))  # a stage whose loop has not beaten for this long
                                                       # is restarted (0 = never); above its longest step
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mode == "sync" and self.max_staleness:
+            raise ConfigError(f"run.max_staleness = {self.max_staleness} bounds the staleness of run.mode=async; "
+                              "sync is on-policy (staleness 0): set run.mode=async, or leave max_staleness 0")
 
     @property
     def effective_max_staleness(self) -> int:
