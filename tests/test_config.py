@@ -9,7 +9,7 @@ import pytest
 from harness.servers import REPO_ROOT, proc_command
 from nano_miles.engine.launch import engine_command
 from nano_miles.run.cli import ArgumentParser
-from nano_miles.run.config import Config, ConfigError, load_config, parse_config
+from nano_miles.run.config import DEFAULT_POLICY_DIR, Config, ConfigError, load_config, parse_config
 
 
 def test_layers_and_types(tmp_path, monkeypatch):
@@ -242,24 +242,22 @@ def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.path" in result.stderr and "config.json" in result.stderr
-    (tmp_path / "config.json").write_text("{}")
-    result = subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
+    result = subprocess.run([*proc_command("engine"), f"--model.path={DEFAULT_POLICY_DIR}",
                              "--print"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and str(tmp_path) in result.stdout
+    assert result.returncode == 0 and str(DEFAULT_POLICY_DIR) in result.stdout
 
 
 @pytest.mark.parametrize("preset", [None, "true"])
-def test_sglang_health_checks_do_not_generate(tmp_path, preset):
+def test_sglang_health_checks_do_not_generate(preset):
     """SGLang's /health would hold the weight-update lock for up to a second (launch.engine_env); a
     value the user set wins. The local engine gets no such variable."""
     import os
     import subprocess
     import sys
-    (tmp_path / "config.json").write_text("{}")
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"}
     if preset:
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = preset
-    printed = {kind: subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
+    printed = {kind: subprocess.run([*proc_command("engine"), f"--model.path={DEFAULT_POLICY_DIR}",
                                      f"--engine.kind={kind}", "--print"], env=env, capture_output=True, text=True,
                                     timeout=60).stdout.split()
                for kind in ("sglang", "local")}

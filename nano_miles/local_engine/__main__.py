@@ -5,7 +5,6 @@ Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--po
 
 import argparse
 import ipaddress
-import json
 import logging
 import signal
 import sys
@@ -28,20 +27,11 @@ def fail(message: str) -> NoReturn:
 
 
 def check_model_dir(path: str) -> str | None:
-    """What keeps `path` from being a model directory, or None. Checked before transformers loads it,
-    which would take a missing directory for a hub repo id and fail with a traceback about that."""
-    config_path = Path(path) / "config.json"
-    if not Path(path).is_dir():
-        return f"--model-path {path}: no such directory"
-    if not config_path.is_file():
-        return f"--model-path {path}: no config.json, not a Hugging Face model directory"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        return f"{config_path}: not readable as JSON ({e})"
-    if not isinstance(config, dict) or not config.get("model_type"):
-        return f"{config_path} has no model_type"
-    return None
+    """What keeps `path` from being a model directory, or None (`paths.model_dir_problem`; this server
+    needs no tokenizer). Checked before transformers loads it."""
+    from nano_miles.run.paths import model_dir_problem
+    problem = model_dir_problem(Path(path), needs_tokenizer=False)
+    return problem and f"--model-path {path}: {problem}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
