@@ -62,6 +62,17 @@ def test_an_override_that_does_not_parse_is_named(override, match):
         load_config(overrides=[override])
 
 
+def test_a_config_file_or_overrides_that_cannot_be_read_are_named(tmp_path, monkeypatch):
+    not_utf8 = tmp_path / "latin1.toml"
+    not_utf8.write_bytes(b'[task]\nsystem_prompt = "caf\xe9"\n')
+    for path, says in ((tmp_path, "Is a directory"), (not_utf8, "can't decode byte 0xe9")):
+        with pytest.raises(ConfigError, match=rf"^config file {path} cannot be read as text \(.*{says}"):
+            load_config(path)
+    monkeypatch.setenv("NANOMILES_OVERRIDES", '--task.system_prompt="Be brief.')
+    with pytest.raises(ConfigError, match=r"^\$NANOMILES_OVERRIDES does not split into words \(No closing quotation"):
+        load_config()
+
+
 def test_a_file_value_of_the_wrong_type_is_named(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[run]\ndir = 1e3\n")

@@ -74,6 +74,7 @@ MISTAKES = [
     ("top", ["--interval-s", "-1"], "--interval-s"),
     ("top", ["--config"], "--config"),
     ("config", ["--config", "nowhere.toml"], "nowhere.toml"),
+    ("trainer", ["--config", ".."], "config file .. cannot be read"),
     ("config", ["--trainer.lr", "1e-3"], "--trainer.lr"),
     ("config", ["--trainer.lr=fast"], "trainer.lr"),
     ("config", ["--trainer.bogus=1"], "bogus"),

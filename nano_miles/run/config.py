@@ -290,17 +290,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path or os.environ.get("NANOMILES_CONFIG") or DEFAULT_CONFIG)
     try:
         is_builtin = path == DEFAULT_CONFIG and not path.is_file()
-        file_table = {} if is_builtin else tomllib.loads(path.read_text())
+        file_table = {} if is_builtin else tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, a file it may not read, text not UTF-8
+        raise ConfigError(f"config file {path} cannot be read as text ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
+    try:
+        env_overrides = shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(f"$NANOMILES_OVERRIDES does not split into words ({e})") from None
     raw: dict[str, dict] = {}
     set_keys = merge(raw, file_table, str(path))
     if path.resolve() == DEFAULT_CONFIG.resolve():
         set_keys = set()  # the defaults spelled out: not the user's choice
-    set_keys |= merge(raw, parse_overrides(shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))),
-                       "$NANOMILES_OVERRIDES")
+    set_keys |= merge(raw, parse_overrides(env_overrides), "$NANOMILES_OVERRIDES")
     set_keys |= merge(raw, parse_overrides(overrides or []), "command line")
     built = {}
     for f in dataclasses.fields(Config):
