@@ -195,6 +195,32 @@ def test_chat_template_prompts_and_stop_ids(policy_dir):
         prompt_text(tokenizer, ({"role": "user", "content": "hi"},), chat_template=False)
 
 
+def test_a_prompt_the_chat_template_refuses_is_one_line(policy_dir, tmp_path):
+    """A template may refuse a chat (roles that do not alternate, a system turn it has no place for):
+    the rollout stage, which renders every prompt at its start, stops there with one line naming it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in policy_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [{"prompt": "What is 2?", "label": "2"}])
+    says = "the chat template of .* refuses the prompt 'What is 2\\?': System role not supported"
+    with pytest.raises(UserError, match=says):
+        prompt_text(load_tokenizer(model), "What is 2?", chat_template=True, system_prompt="Be brief.")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
+    result = subprocess.run([*proc_command("rollout"), f"--run.dir={tmp_path}/run", f"--model.path={model}",
+                             f"--task.name={FILES}", f"--task.train_file={data}", f"--task.test_file={data}",
+                             "--task.chat_template=true", "--task.system_prompt=Be brief."],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(f"rollout: {says}", lines[0]), result.stderr
+
+
 def test_the_example_data_is_what_its_generator_writes():
     """examples/word_problems/ is the project's own data, reproducible from its script."""
     for split, num in (("train", 2000), ("test", 200)):
