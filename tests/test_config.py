@@ -39,10 +39,10 @@ def test_a_key_counts_as_set_only_where_the_user_chose_it(tmp_path, monkeypatch)
 @pytest.mark.parametrize("override, key, value", [
     ("--run.dir=1e3", "run.dir", "1e3"),               # a string field takes the text as typed
     ("--run.dir=true", "run.dir", "true"),
-    ("--task.system_prompt=[INST]", "task.system_prompt", "[INST]"),
+    ("--run.dir=[INST]", "run.dir", "[INST]"),
     ("--task.prompt_key={a=1}", "task.prompt_key", "{a=1}"),
-    ("--task.system_prompt='\"Be brief.\"'", "task.system_prompt", '"Be brief."'),  # TOML quotes come off
-    ('--task.system_prompt="Be brief."', "task.system_prompt", "Be brief."),
+    ("--run.dir='\"my run\"'", "run.dir", '"my run"'),  # TOML quotes come off
+    ('--run.dir="my run"', "run.dir", "my run"),
     ("--trainer.lr=1e-3", "trainer.lr", 1e-3),         # any other field reads one TOML value
     ("--reward.weights=[1, 0.5]", "reward.weights", [1, 0.5]),
 ])
@@ -131,6 +131,9 @@ def test_bad_overrides_are_named(override, match):
     ("--reward.max_failure_fraction=1.5", r"reward.max_failure_fraction must be in \[0, 1\]"),
     ("--run.dir=", r"run.dir must be a non-empty string"),
     ("--run.max_staleness=2", r"^run.max_staleness = 2 bounds the staleness of run.mode=async; sync is on-policy"),
+    ("--task.system_prompt=Be brief.", r"^task.system_prompt is a turn of the chat template: set task.chat_template"),
+    ("--task.train_file=data.jsonl", r"^task.train_file is data for task.name=nano_miles.tasks.files; the arithmetic"),
+    ("--trainer.lr_min=1e-5", r"^trainer.lr_min is where trainer.lr_schedule=cosine ends; the constant schedule"),
 ])
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
     with pytest.raises(ConfigError, match=match):

@@ -155,6 +155,14 @@ class TaskConfig(Section):
     chat_template: bool = checked(False, BOOL)        # render prompts with the tokenizer's chat template
     system_prompt: str = checked("", ANY_TEXT)        # with chat_template: a system turn before every prompt
 
+    def __post_init__(self):  # keys their task or mode would ignore: refused, not dropped in silence
+        super().__post_init__()
+        if self.system_prompt and not self.chat_template:
+            raise ConfigError("task.system_prompt is a turn of the chat template: set task.chat_template=true")
+        if self.name == "nano_miles.tasks.arithmetic" and (self.train_file or self.test_file):
+            raise ConfigError(f"task.{'train' if self.train_file else 'test'}_file is data for task.name="
+                              "nano_miles.tasks.files; the arithmetic task (the default task.name) makes its own")
+
 
 @dataclass
 class RolloutConfig(Section):
@@ -224,6 +232,9 @@ class TrainerConfig(Section):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.lr_min and self.lr_schedule != "cosine":
+            raise ConfigError(f"trainer.lr_min is where trainer.lr_schedule=cosine ends; the {self.lr_schedule} "
+                              "schedule has none: set the cosine schedule, or leave lr_min 0")
         if self.lr_min > self.lr:
             raise ConfigError(f"trainer.lr_min ({self.lr_min:g}) is above trainer.lr ({self.lr:g}): the cosine "
                               "schedule decays from lr down to lr_min")
