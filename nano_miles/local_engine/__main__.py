@@ -7,10 +7,10 @@ import argparse
 import ipaddress
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
-from typing import NoReturn
+
+from nano_miles.run.cli import ArgumentParser, UserError, run
 
 log = logging.getLogger("engine")
 PROG = "python -m nano_miles.local_engine"
@@ -18,12 +18,6 @@ PROG = "python -m nano_miles.local_engine"
 # `sdpa`, the left padding a batch needs moves a row's logits by ~2e-6, enough to flip a draw now and
 # then; `eager` masks padding to exact zeros and gives the same bits alone or batched.
 ATTENTION = "eager"
-
-
-def fail(message: str) -> NoReturn:
-    """A user mistake: one line on stderr and exit 2, as argparse does, without its usage block."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def check_model_dir(path: str) -> str | None:
@@ -35,7 +29,7 @@ def check_model_dir(path: str) -> str | None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=PROG, description=__doc__)  # a bad flag is a UserError: one line, exit 2
     p.add_argument("--model-path", required=True, help="local Hugging Face causal-LM directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback logs a warning)")
     p.add_argument("--port", type=int, default=30000)
@@ -49,13 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on cpu, where small models gain nothing from more and "
                         "OpenMP threads on shared cores spin against each other; torch's default on cuda)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.max_running_requests < 1:
-        fail(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+        raise UserError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     problem = check_model_dir(args.model_path)
     if problem:
-        fail(problem)
+        raise UserError(problem)
     return args
 
 
@@ -78,7 +72,7 @@ def main(argv=None) -> int:
     from nano_miles.observe.metrics import EngineMetrics
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda, but torch sees no CUDA device")
+        raise UserError("--device cuda, but torch sees no CUDA device")
     num_threads = args.num_threads or (1 if args.device == "cpu" else None)
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -94,7 +88,7 @@ def main(argv=None) -> int:
         # Whatever fails here is about the user's directory (weights missing or corrupt, a config that
         # transformers rejects): one line names it; --log-level DEBUG shows the traceback.
         log.debug("loading %s failed", args.model_path, exc_info=True)
-        fail(f"cannot load {args.model_path}: {type(e).__name__}: {' '.join(str(e).split())}")
+        raise UserError(f"cannot load {args.model_path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
     model = model.to(args.device).eval()
     config = model.config.get_text_config(decoder=True)
     eos = config.eos_token_id if config.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
@@ -131,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "local_engine")
