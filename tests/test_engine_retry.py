@@ -212,3 +212,14 @@ def test_the_trainer_does_not_wait_out_a_refused_request_and_an_empty_batch_is_n
         peers.control.close()
         ctx.term()
     assert calls == [("POST", "/generate", 400)], calls  # one attempt, no wait for the engine, nothing empty
+
+
+def test_only_a_refused_generation_request_counts_as_permanent():
+    """A weight update the engine failed answers 4xx too, and is tried again (with a rebuilt
+    transport): only /generate's 4xx is the request's fault."""
+    from nano_miles.engine.client import is_permanent
+    assert is_permanent(EngineError(400, "prompt too long", "/generate"))
+    assert not is_permanent(EngineError(429, "busy", "/generate"))
+    assert not is_permanent(EngineError(503, "starting", "/generate"))
+    assert not is_permanent(EngineError(400, "Failed to update weights", "/update_weights_from_distributed"))
+    assert not is_permanent(OSError("connection refused"))

@@ -93,8 +93,8 @@ class Peers:
 
     # ------------------------------------------------------------------ engine
     def with_engine(self, what: str, fn: Callable):
-        """Run `fn()`; if the engine is down or failing, wait for it and try again (bounded). A request
-        the engine refused (`is_permanent`) is raised at once: it would be refused again."""
+        """Run `fn()`; if the engine is down or failing, wait for it and try again (bounded). A generation
+        request the engine refused (`is_permanent`) is raised at once: it would be refused again."""
         deadline = time.monotonic() + PEER_TIMEOUT_S
         while True:
             try:
