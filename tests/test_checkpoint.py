@@ -148,8 +148,9 @@ def older_format(checkpoint, *dropped: str) -> None:
 
 # what an older trainer's checkpoint lacks, and what the one line says of it
 OLDER = [
-    (("lr_schedule", "no_signal_ids"), r"written by an older nano-miles: its trainer_state.pt has no lr_schedule, "
-                                       r"no_signal_ids; its weights alone can start a new run: --model.path=.*step_000025$"),
+    (("lr_schedule", "no_signal_ids"),
+     r"written by an older nano-miles: its trainer_state.pt has no lr_schedule, no_signal_ids; its weights alone "
+     r"can start a new run: --model.path=.*step_000025$"),
     ((MANIFEST,), r"does not verify: step_000025: no readable manifest.json"),
 ]
 
