@@ -9,7 +9,7 @@ import pytest
 from harness.servers import REPO_ROOT, proc_command
 from nano_miles.engine.launch import engine_command
 from nano_miles.run.cli import ArgumentParser
-from nano_miles.run.config import DEFAULT_POLICY_DIR, Config, ConfigError, load_config, parse_config
+from nano_miles.run.config import DEFAULT_POLICY_DIR, Config, ConfigError, RunConfig, load_config, parse_config
 
 
 def test_layers_and_types(tmp_path, monkeypatch):
@@ -34,6 +34,7 @@ def test_a_key_counts_as_set_only_where_the_user_chose_it(tmp_path, monkeypatch)
     cfg = load_config(f, ["--run.seed=1"])
     assert cfg.set_keys == {"task.num_test", "trainer.lr", "run.seed"}
     assert cfg.is_set("task.num_test") and not cfg.is_set("task.num_train") and not Config().is_set("run.seed")
+    assert Config(run=RunConfig(seed=3)).is_set("run.seed")  # a value other than the default is always a choice
 
 
 @pytest.mark.parametrize("override, key, value", [

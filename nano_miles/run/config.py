@@ -269,10 +269,13 @@ class Config:
     set_keys = frozenset()  # "section.key"s the user chose, filled by load_config (not a field: never dumped)
 
     def is_set(self, dotted: str) -> bool:
-        """Whether the user chose `section.key` (in a config file other than configs/default.toml, which
-        spells out the defaults, or by an override), as opposed to its default applying. A Config built
-        in code has none set."""
-        return dotted in self.set_keys
+        """Whether `section.key` is the user's choice rather than its default applying: a value other
+        than the default, or the default itself named in a config file other than configs/default.toml
+        (which spells out the defaults) or by an override."""
+        section, key = dotted.split(".", 1)
+        f = next(f for f in dataclasses.fields(getattr(self, section)) if f.name == key)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        return dotted in self.set_keys or getattr(getattr(self, section), key) != default
 
     @property
     def run_dir(self) -> Path:
