@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
     import zmq
     from transformers import AutoModelForCausalLM
 
+    from nano_miles.engine.client import EngineError
     from nano_miles.rewards.worker import RewardWorker
     from nano_miles.run.process import EXIT_STOPPED, StopRequested, setup_process
     from nano_miles.stages.trainer.evaluate import make_evaluator
@@ -56,7 +57,8 @@ def main(argv: list[str]) -> int:
         trainer.train()
     except StopRequested:
         return EXIT_STOPPED
-    except (TimeoutError, ControlTimeout) as e:  # a peer gone for good: exit, supervisord restarts us
+    except (TimeoutError, ControlTimeout, EngineError) as e:  # a peer gone for good, or a request the
+        # engine refuses (it is not retried): exit, supervisord restarts us
         logging.getLogger("trainer").error("cannot continue: %s", e)
         return 1
     return 0

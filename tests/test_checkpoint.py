@@ -135,3 +135,50 @@ def test_resume_from_takes_a_checkpoint_or_the_newest_good_one_of_a_run(saved):
     assert find_checkpoint(root.parent, "k") == root / "step_000020"
     with pytest.raises(UserError, match="trainer.resume_from .* neither a checkpoint"):
         find_checkpoint(root / "step_000020" / "..", "trainer.resume_from")
+
+
+def older_format(checkpoint, *dropped: str) -> None:
+    """Rewrite `checkpoint` as an older trainer wrote it: its state without the keys `dropped`, and a
+    manifest that verifies."""
+    from nano_miles.stages.trainer.checkpoint import STATE_FILE, _write_manifest
+
+    state = torch.load(checkpoint / STATE_FILE, weights_only=True)
+    torch.save({k: v for k, v in state.items() if k not in dropped}, checkpoint / STATE_FILE)
+    (checkpoint / MANIFEST).unlink()
+    _write_manifest(checkpoint)
+
+
+# what an older trainer's checkpoint lacks, and what the one line says of it
+OLDER = [
+    (("lr_schedule", "no_signal_ids"),
+     r"written by an older nano-miles: its trainer_state.pt has no lr_schedule, no_signal_ids; its weights alone "
+     r"can start a new run: --model.path=.*step_000025$"),
+    ((MANIFEST,), r"does not verify: step_000025: no readable manifest.json"),
+]
+
+
+@pytest.mark.parametrize("dropped, says", OLDER, ids=["no schedule state", "no manifest"])
+def test_resume_from_an_older_checkpoint_is_one_line_and_leaves_the_model_alone(saved, dropped, says):
+    from nano_miles.run.cli import UserError
+    from nano_miles.stages.trainer.checkpoint import load_resume_from
+
+    root, _, model, optimizer = saved
+    checkpoint = root / "step_000025"
+    if dropped == (MANIFEST,):
+        (checkpoint / MANIFEST).unlink()
+    else:
+        older_format(checkpoint, *dropped)
+    before = next(model.parameters()).detach().clone()
+    with pytest.raises(UserError, match=rf"^trainer.resume_from '{checkpoint}'.*{says}"):
+        load_resume_from(checkpoint, model, optimizer)
+    assert torch.equal(next(model.parameters()), before)
+
+
+def test_resume_from_another_models_checkpoint_is_one_line(saved):
+    from nano_miles.run.cli import UserError
+    from nano_miles.stages.trainer.checkpoint import load_resume_from
+
+    root, _, model, optimizer = saved
+    model.resize_token_embeddings(model.get_input_embeddings().num_embeddings + 8)  # another vocabulary
+    with pytest.raises(UserError, match=r"^trainer.resume_from '.*step_000025' does not fit model.path \(.*shape"):
+        load_resume_from(root / "step_000025", model, optimizer)

@@ -9,7 +9,7 @@ import pytest
 from harness.servers import REPO_ROOT, proc_command
 from nano_miles.engine.launch import engine_command
 from nano_miles.run.cli import ArgumentParser
-from nano_miles.run.config import Config, ConfigError, load_config, parse_config
+from nano_miles.run.config import DEFAULT_POLICY_DIR, Config, ConfigError, RunConfig, load_config, parse_config
 
 
 def test_layers_and_types(tmp_path, monkeypatch):
@@ -22,6 +22,63 @@ def test_layers_and_types(tmp_path, monkeypatch):
     assert cfg.trainer.lr == 2e-3 and cfg.trainer.num_steps == 9 and cfg.run.mode == "async"
     assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
     assert cfg.run.max_staleness == 2 and args.out == "x.y"
+
+
+def test_a_key_counts_as_set_only_where_the_user_chose_it(tmp_path, monkeypatch):
+    """configs/default.toml spells out the defaults: its keys are not the user's choice; any other
+    config file's keys and every override are."""
+    assert load_config().set_keys == frozenset() and load_config("configs/default.toml").set_keys == frozenset()
+    f = tmp_path / "c.toml"
+    f.write_text("[task]\nnum_test = 200\n")
+    monkeypatch.setenv("NANOMILES_OVERRIDES", "--trainer.lr=1e-3")
+    cfg = load_config(f, ["--run.seed=1"])
+    assert cfg.set_keys == {"task.num_test", "trainer.lr", "run.seed"}
+    assert cfg.is_set("task.num_test") and not cfg.is_set("task.num_train") and not Config().is_set("run.seed")
+    assert Config(run=RunConfig(seed=3)).is_set("run.seed")  # a value other than the default is always a choice
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("--run.dir=1e3", "run.dir", "1e3"),               # a string field takes the text as typed
+    ("--run.dir=true", "run.dir", "true"),
+    ("--run.dir=[INST]", "run.dir", "[INST]"),
+    ("--task.prompt_key={a=1}", "task.prompt_key", "{a=1}"),
+    ("--run.dir='\"my run\"'", "run.dir", '"my run"'),  # TOML quotes come off
+    ('--run.dir="my run"', "run.dir", "my run"),
+    ("--trainer.lr=1e-3", "trainer.lr", 1e-3),         # any other field reads one TOML value
+    ("--reward.weights=[1, 0.5]", "reward.weights", [1, 0.5]),
+])
+def test_an_override_is_read_as_its_fields_type(override, key, value):
+    section, name = key.split(".")
+    fns = ['--reward.fns=["a:b", "c:d"]'] if section == "reward" else []
+    assert getattr(getattr(load_config(overrides=[override, *fns]), section), name) == value
+
+
+@pytest.mark.parametrize("override, match", [
+    ('--task.system_prompt="You are', r'^task.system_prompt: "You are opens a TOML string that does not parse'),
+    ("--trainer.lr=1\nx = 2", r"^trainer.lr must be a number, not '1\\nx = 2'$"),  # not one value
+    ("--reward.weights=[1, 2", r"^reward.weights must be a list of finite numbers, not '\[1, 2'$"),
+])
+def test_an_override_that_does_not_parse_is_named(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+def test_a_config_file_or_overrides_that_cannot_be_read_are_named(tmp_path, monkeypatch):
+    not_utf8 = tmp_path / "latin1.toml"
+    not_utf8.write_bytes(b'[task]\nsystem_prompt = "caf\xe9"\n')
+    for path, says in ((tmp_path, "Is a directory"), (not_utf8, "can't decode byte 0xe9")):
+        with pytest.raises(ConfigError, match=rf"^config file {path} cannot be read as text \(.*{says}"):
+            load_config(path)
+    monkeypatch.setenv("NANOMILES_OVERRIDES", '--task.system_prompt="Be brief.')
+    with pytest.raises(ConfigError, match=r"^\$NANOMILES_OVERRIDES does not split into words \(No closing quotation"):
+        load_config()
+
+
+def test_a_file_value_of_the_wrong_type_is_named(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[run]\ndir = 1e3\n")
+    with pytest.raises(ConfigError, match=r"^run.dir must be a string, not 1000.0 \(a TOML string is in quotes\)$"):
+        load_config(f)
 
 
 def test_dump_round_trips(tmp_path):
@@ -72,7 +129,12 @@ def test_bad_overrides_are_named(override, match):
     ("--reward.fns=[\"a:b\", 3]", r"reward.fns must be a list of \"package.module:function\" strings"),
     ("--reward.weights=[1, true]", r"reward.weights must be a list of finite numbers"),
     ("--trainer.eval_samples=0", r"trainer.eval_samples must be >= 1"),
+    ("--reward.max_failure_fraction=1.5", r"reward.max_failure_fraction must be in \[0, 1\]"),
     ("--run.dir=", r"run.dir must be a non-empty string"),
+    ("--run.max_staleness=2", r"^run.max_staleness = 2 bounds the staleness of run.mode=async; sync is on-policy"),
+    ("--task.system_prompt=Be brief.", r"^task.system_prompt is a turn of the chat template: set task.chat_template"),
+    ("--task.train_file=data.jsonl", r"^task.train_file is data for task.name=nano_miles.tasks.files; the arithmetic"),
+    ("--trainer.lr_min=1e-5", r"^trainer.lr_min is where trainer.lr_schedule=cosine ends; the constant schedule"),
 ])
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -195,24 +257,22 @@ def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "model.path" in result.stderr and "config.json" in result.stderr
-    (tmp_path / "config.json").write_text("{}")
-    result = subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
+    result = subprocess.run([*proc_command("engine"), f"--model.path={DEFAULT_POLICY_DIR}",
                              "--print"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and str(tmp_path) in result.stdout
+    assert result.returncode == 0 and str(DEFAULT_POLICY_DIR) in result.stdout
 
 
 @pytest.mark.parametrize("preset", [None, "true"])
-def test_sglang_health_checks_do_not_generate(tmp_path, preset):
+def test_sglang_health_checks_do_not_generate(preset):
     """SGLang's /health would hold the weight-update lock for up to a second (launch.engine_env); a
     value the user set wins. The local engine gets no such variable."""
     import os
     import subprocess
     import sys
-    (tmp_path / "config.json").write_text("{}")
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"}
     if preset:
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = preset
-    printed = {kind: subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
+    printed = {kind: subprocess.run([*proc_command("engine"), f"--model.path={DEFAULT_POLICY_DIR}",
                                      f"--engine.kind={kind}", "--print"], env=env, capture_output=True, text=True,
                                     timeout=60).stdout.split()
                for kind in ("sglang", "local")}

@@ -77,3 +77,11 @@ def test_help_prints_usage_and_exits():
     result = run_engine("--help")
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith("usage:") and "--model-path" in result.stdout
+
+
+@pytest.mark.parametrize("flags, named", [(["--port", "abc"], "--port"), (["--log-level", "LOUD"], "--log-level"),
+                                          (["--bogus"], "--bogus")])
+def test_a_bad_flag_is_one_line_without_the_usage(policy_dir, flags, named):
+    result = run_engine("--model-path", str(policy_dir), *flags)
+    assert result.returncode == 2 and result.stderr.startswith("local_engine: "), result.stderr
+    assert_one_line_error(result, named)

@@ -16,9 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from urllib.parse import urlsplit
 
+import pytest
 import zmq
 
-from nano_miles.engine.client import EngineClient
+from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.run.config import load_config
 from nano_miles.stages.rollout.producer import ENGINE_RETRY_S, RolloutProducer
 from nano_miles.wire.data import decode_rollout
@@ -187,3 +188,38 @@ def test_a_permanent_4xx_is_not_retried_and_drops_the_group_for_good(engine_url,
                      ("POST", "/generate", 200, [PROMPTS[1]] * 2)], calls
     assert group.group_id == "e0-i1" and status["num_sent"] == 1
     assert status["outstanding_group_ids"] == ["e0-i1"]
+
+
+def test_the_trainer_does_not_wait_out_a_refused_request_and_an_empty_batch_is_never_sent(engine_url, tmp_path):
+    """The trainer's calls to the engine (`Peers.with_engine`) wait out an engine that is down, never
+    a 4xx: the same request would be refused again. An empty batch is refused before it is sent."""
+    from nano_miles.stages.trainer.peers import Peers
+
+    proxy = FaultyProxy(engine_url, [400])
+    cfg = load_config(overrides=[f"--engine.port={proxy.port}", f"--rollout.control_endpoint=ipc://{tmp_path}/c"])
+    ctx = zmq.Context()
+    peers = Peers(cfg, ctx, durable_state=lambda: None, run_id="test-run")
+    greedy = {"max_new_tokens": 2, "temperature": 0.0}
+    try:
+        with pytest.raises(EngineError, match="HTTP 400"):
+            peers.with_engine("evaluation", lambda: peers.engine.generate(PROMPTS, greedy, return_logprob=False))
+        for empty in ([], [[]], [PROMPTS[0], []]):
+            with pytest.raises(ValueError, match="at least one prompt"):
+                peers.engine.generate(empty, greedy)
+        calls = [(c[1], c[2], c[3]) for c in proxy.calls]
+    finally:
+        proxy.close()
+        peers.control.close()
+        ctx.term()
+    assert calls == [("POST", "/generate", 400)], calls  # one attempt, no wait for the engine, nothing empty
+
+
+def test_only_a_refused_generation_request_counts_as_permanent():
+    """A weight update the engine failed answers 4xx too, and is tried again (with a rebuilt
+    transport): only /generate's 4xx is the request's fault."""
+    from nano_miles.engine.client import is_permanent
+    assert is_permanent(EngineError(400, "prompt too long", "/generate"))
+    assert not is_permanent(EngineError(429, "busy", "/generate"))
+    assert not is_permanent(EngineError(503, "starting", "/generate"))
+    assert not is_permanent(EngineError(400, "Failed to update weights", "/update_weights_from_distributed"))
+    assert not is_permanent(OSError("connection refused"))

@@ -7,6 +7,7 @@ Run: pytest tests/test_files_task.py
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,20 +76,50 @@ def test_a_test_file_dotted_keys_and_chat_messages(tmp_path):
     assert load_problems(cfg, "test") == [Problem("1+1?", "2")]
 
 
-@pytest.mark.parametrize("content, key, message", [
-    (None, "prompt", r"{path}: no such file \(task.train_file\)"),
-    ('{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n', "prompt", r"{path}:2: no key 'label' \(task.label_key\); the record has 'prompt'"),
-    ('{"prompt": "a", "label": "1"}\n\n{"prompt": "  ", "label": "2"}\n', "prompt", r"{path}:3: empty prompt under 'prompt'"),
-    ('{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": \n', "prompt", r"{path}:2: not valid JSON"),
-    ('{"q": "a", "label": "1"}\n', "question", r"{path}:1: no key 'question' \(task.prompt_key\)"),
-    ('["a", "b"]\n', "prompt", r"{path}:1: a record must be a JSON object"),
-    ('{"prompt": 7, "label": "1"}\n', "prompt", r"{path}:1: 'prompt' must be text or a list of chat messages"),
-    ("\n\n", "prompt", r"{path}: no records"),
-])
-def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key, message):
-    path = tmp_path / "data.jsonl"
-    if content is not None:
-        path.write_text(content)
+DIRECTORY = object()  # the path is a directory that no datasets' save_to_disk wrote
+NEEDS_PARQUET = "needs the datasets package to read Parquet"
+# (file name, what it holds: text, bytes, None = nothing there, DIRECTORY; the prompt key; the one line)
+BAD_DATA = [
+    ("data.jsonl", None, "prompt", r"{path}: no such file \(task.train_file\)"),
+    ("data.jsonl", '{"prompt": "a", "label": "1"}\n{"prompt": "b"}\n', "prompt",
+     r"{path}:2: no key 'label' \(task.label_key\); the record has 'prompt'"),
+    ("data.jsonl", '{"prompt": "a", "label": "1"}\n\n{"prompt": "  ", "label": "2"}\n', "prompt",
+     r"{path}:3: empty prompt under 'prompt'"),
+    ("data.jsonl", '{"prompt": "a", "label": "1"}\n{"prompt": "b", "label": \n', "prompt", r"{path}:2: not valid JSON"),
+    ("data.json", '[{"prompt": "a", "label": "1"},\n {"prompt": "b"', "prompt", r"{path}:2: not valid JSON"),
+    ("data.jsonl", '{"q": "a", "label": "1"}\n', "question", r"{path}:1: no key 'question' \(task.prompt_key\)"),
+    ("data.jsonl", '["a", "b"]\n', "prompt", r"{path}:1: a record must be a JSON object"),
+    ("data.jsonl", '{"prompt": 7, "label": "1"}\n', "prompt",
+     r"{path}:1: 'prompt' must be text or a list of chat messages"),
+    ("data.jsonl", "\n\n", "prompt", r"{path}: no records"),
+    ("data.jsonl", b'{"prompt": "a", "label": "1"}\n{"prompt": "caf\xe9", "label": "2"}\n', "prompt",
+     r"{path}:2: not UTF-8 text \(byte 0xe9\); save the file as UTF-8"),
+    ("data.jsonl", '{"prompt": [{"role": "user"}], "label": "1"}\n', "prompt",
+     r"""{path}:1: chat messages under 'prompt' must be {{"role", "content"}} objects, not {{"role": "user"}}"""),
+    ("data.jsonl", '{"prompt": [{"role": "bot", "content": "hi"}], "label": "1"}\n', "prompt",
+     r"{path}:1: chat messages under 'prompt' must have a role of system, user, assistant or tool, not 'bot'"),
+    ("data.jsonl", '{"prompt": [{"role": "user", "content": ["hi"]}], "label": "1"}\n', "prompt",
+     r"{path}:1: chat messages under 'prompt' must have text content, not list"),
+    ("data.jsonl", '{"prompt": "a", "label": ["1", "one"]}\n', "prompt",
+     r"{path}:1: 'label' must be text or a number \(the reward function gets it as text\), not list"),
+    ("data.jsonl", '{"prompt": "a", "label": true}\n', "prompt",
+     r"{path}:1: 'label' must be text or a number .*, not bool"),
+    ("data.jsonl", DIRECTORY, "prompt", r"{path}: a directory, but not one datasets' save_to_disk wrote"),
+    ("data", DIRECTORY, "prompt", r"{path}: a directory, but not one datasets' save_to_disk wrote"),
+    ("data.parquet", b"PAR1 cut short", "prompt",
+     rf"{{path}}: (not readable as Parquet \(ArrowInvalid|{NEEDS_PARQUET})"),
+]
+
+
+@pytest.mark.parametrize("name, content, key, message", BAD_DATA,
+                         ids=[f"{i}-{row[0]}" for i, row in enumerate(BAD_DATA)])
+def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, name, content, key, message):
+    path = tmp_path / name
+    if content is DIRECTORY:
+        path.mkdir()
+        (path / "notes.txt").write_text("not a dataset")
+    elif content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
     pattern = message.format(path=path)
     with pytest.raises(UserError, match=pattern):
         read_problems(str(path), (key, "label"), "train")
@@ -96,16 +127,46 @@ def test_a_bad_file_is_one_line_naming_file_line_and_key(tmp_path, content, key,
     env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
     result = subprocess.run([*proc_command("rollout"), f"--run.dir={tmp_path}/run",
                              f"--task.name={FILES}", f"--task.train_file={path}", f"--task.prompt_key={key}",
-                             "--task.num_test=0"],
+                             "--task.num_test=1", "--task.chat_template=true"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rollout: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith("rollout: ") and re.search(pattern, lines[0]), result.stderr
 
 
-def test_holding_out_more_than_the_file_is_refused(gsm8k_style):
-    with pytest.raises(UserError, match=r"holds 120 records: holding out task.num_test = 200"):
-        load_problems(files_config(gsm8k_style, prompt_key="question", label_key="answer"), "train")
+def test_no_held_out_set_is_refused_at_the_start(gsm8k_style, tmp_path, monkeypatch):
+    """The trainer evaluates the test split at least once (trainer.eval_every = 0: at the end), so a
+    config that leaves it empty is refused where the split is made, in every stage that reads it."""
+    cfg = files_config(gsm8k_style, prompt_key="question", label_key="answer", num_test=0)
+    for split in ("train", "test"):
+        with pytest.raises(UserError, match=r"task.num_test = 0 .* there is none: set task.test_file, or "
+                                            r"task.num_test > 0"):
+            load_problems(cfg, split)
+    # a task of the user's whose test split is empty: the same one line, whatever made it empty
+    (tmp_path / "no_tests.py").write_text(
+        "from nano_miles.tasks import Problem\n"
+        "def load_split(cfg, split):\n    return [Problem('1+1', '2')] if split == 'train' else []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"^the test split of no_tests is empty: the trainer evaluates it$"):
+        load_problems(Config(task=TaskConfig(name="no_tests")), "test")
+
+
+def test_a_test_file_shorter_than_num_test(tmp_path, caplog):
+    """Left at its default, task.num_test takes a shorter test file whole and says so in one line; set
+    by the user, it must fit, and the error names both numbers."""
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    write_jsonl(train, make_records("train", 30))
+    write_jsonl(test, make_records("test", 7))
+    overrides = [f"--task.name={FILES}", f"--task.train_file={train}", f"--task.test_file={test}",
+                 "--task.prompt_key=question", "--task.label_key=answer"]
+    with caplog.at_level("WARNING", logger="nano_miles.tasks"):
+        assert len(load_problems(load_config(overrides=overrides), "test")) == 7
+    assert [r.getMessage() for r in caplog.records] == [
+        f"task.num_test is 200 by default, but the test split of {FILES} holds 7 problems: using all 7"]
+    with pytest.raises(UserError, match=r"^task.num_test is 200, but the test split of .* holds 7 problems: set "
+                                        r"at most 7, or 0 to take them all$"):
+        load_problems(load_config(overrides=overrides + ["--task.num_test=200"]), "test")
+    assert len(load_problems(load_config(overrides=overrides + ["--task.num_test=5"]), "test")) == 5
 
 
 def test_parquet_and_datasets_directories(tmp_path):
@@ -181,6 +242,32 @@ def test_generation_stops_at_the_templates_end_of_turn_that_generation_config_do
     # the engine alone stops only on the model's EOS: past the end of the turn, to the token limit
     alone = EngineClient(url).generate(producer.prompt_ids[0], {"max_new_tokens": 64, "temperature": 0.0})
     assert alone["meta_info"]["finish_reason"]["type"] == "length" and im_end in alone["output_ids"]
+
+
+def test_a_prompt_the_chat_template_refuses_is_one_line(policy_dir, tmp_path):
+    """A template may refuse a chat (roles that do not alternate, a system turn it has no place for):
+    the rollout stage, which renders every prompt at its start, stops there with one line naming it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in policy_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [{"prompt": "What is 2?", "label": "2"}])
+    says = "the chat template of .* refuses the prompt 'What is 2\\?': System role not supported"
+    with pytest.raises(UserError, match=says):
+        prompt_text(load_tokenizer(model), "What is 2?", chat_template=True, system_prompt="Be brief.")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NANOMILES_")}
+    result = subprocess.run([*proc_command("rollout"), f"--run.dir={tmp_path}/run", f"--model.path={model}",
+                             f"--task.name={FILES}", f"--task.train_file={data}", f"--task.test_file={data}",
+                             "--task.chat_template=true", "--task.system_prompt=Be brief."],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(f"rollout: {says}", lines[0]), result.stderr
 
 
 def test_the_example_data_is_what_its_generator_writes():

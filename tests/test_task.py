@@ -158,7 +158,8 @@ def test_load_problems_checks_the_task_against_the_config():
     assert load_problems(Config(task=TaskConfig(num_test=5, seed=1)), "test") == make_problems("test", 5, seed=1)
     everything = load_problems(Config(task=TaskConfig(num_train=0, seed=1)), "train")
     assert everything[:7] == make_problems("train", 7, seed=1) and len(everything) > 20000  # 0 = all
-    with pytest.raises(UserError, match=r"task.num_train must be at most [0-9]+ .*, not 999999; 0 takes them all"):
+    with pytest.raises(UserError, match=r"task.num_train is 999999, but the train split of .* holds [0-9]+ problems: "
+                                        r"set at most [0-9]+, or 0 to take them all"):
         load_problems(Config(task=TaskConfig(num_train=999999)), "train")
     with pytest.raises(UserError, match="task.name 'nope.task': cannot import"):
         load_problems(Config(task=TaskConfig(name="nope.task")), "train")

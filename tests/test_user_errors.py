@@ -20,6 +20,7 @@ ENTRY_POINTS = {
     "word_problems": "nano_miles.tasks.word_problems",
 }
 READS_CONFIG = ("rollout", "reward", "trainer", "engine", "top", "status", "config")
+WORD_PROBLEMS = REPO_ROOT / "examples" / "word_problems" / "train.jsonl"
 TIMEOUT_S = 30  # each case fails before anything heavy is imported: well under a second
 
 
@@ -73,9 +74,11 @@ MISTAKES = [
     ("top", ["--interval-s", "-1"], "--interval-s"),
     ("top", ["--config"], "--config"),
     ("config", ["--config", "nowhere.toml"], "nowhere.toml"),
+    ("trainer", ["--config", ".."], "config file .. cannot be read"),
     ("config", ["--trainer.lr", "1e-3"], "--trainer.lr"),
     ("config", ["--trainer.lr=fast"], "trainer.lr"),
     ("config", ["--trainer.bogus=1"], "bogus"),
+    ("config", ['--task.system_prompt="You are'], "task.system_prompt"),
     ("engine", ["--model.path=nowhere"], "model.path"),
     # values the config took before and a stage then tripped over, far from the flag
     ("trainer", ["--trainer.lr=-1"], "trainer.lr"),
@@ -95,6 +98,8 @@ MISTAKES = [
     ("reward", ["--reward.fns=[\"nope.mod:fn\"]"], "reward.fns[0]"),
     ("rollout", ["--task.name=nano_miles.tasks.files"], "task.train_file"),
     ("trainer", ["--task.name=nano_miles.tasks.files", "--task.train_file=nowhere.jsonl"], "nowhere.jsonl"),
+    ("trainer", ["--task.name=nano_miles.tasks.files", f"--task.train_file={WORD_PROBLEMS}",
+                 "--task.prompt_key=question", "--task.label_key=answer", "--task.num_test=0"], "task.test_file"),
 ]
 
 
@@ -105,6 +110,69 @@ def test_a_mistake_is_one_line_naming_it(tmp_path, name, args, named):
     assert len(result.stderr.strip().splitlines()) == 1 and named in result.stderr, result.stderr
     assert result.stderr.startswith(f"{name}: ") and result.stdout == ""
     assert not list((tmp_path / "cwd").iterdir())
+
+
+def assert_one_line(result: subprocess.CompletedProcess, name: str, *named: str) -> None:
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: ") and all(n in lines[0] for n in named), result.stderr
+
+
+def rewrite(path, text: str) -> None:
+    path.unlink()  # a link to the shipped file: the new text goes into a file of its own
+    path.write_text(text)
+
+
+STAGES = ("trainer", "rollout", "reward", "engine")  # every stage that loads the model directory
+# a copy of the shipped policy with one part missing or wrong: (its name, what is done, what the line names)
+BROKEN_MODELS = {
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), "no weights there"),
+    "no tokenizer": (lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+                     "no tokenizer there"),
+    "no model_type": (lambda d: rewrite(d / "config.json", '{"architectures": ["Qwen2ForCausalLM"]}'),
+                      "its config.json has no model_type"),
+    "config.json not JSON": (lambda d: rewrite(d / "config.json", "{oops"), "its config.json is not readable"),
+    "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json there"),
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("broken", BROKEN_MODELS)
+def test_a_model_directory_missing_a_part_is_one_line_at_every_stage(tmp_path, stage, broken):
+    from nano_miles.run.config import DEFAULT_POLICY_DIR
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in DEFAULT_POLICY_DIR.iterdir():  # links: the parts are read, never written
+        (model / f.name).symlink_to(f)
+    damage, named = BROKEN_MODELS[broken]
+    damage(model)
+    assert_one_line(run(tmp_path, stage, f"--model.path={model}"), stage, "model.path", str(model), named)
+
+
+def a_file(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    return tmp_path / "a_file"
+
+
+# every directory-valued key, given what it cannot use: (key, the path given, what the line says)
+NOT_DIRECTORIES = [
+    ("run.dir", a_file, "is a file, not a directory"),
+    ("run.dir", lambda t: a_file(t) / "run", "cannot be made: "),
+    ("model.path", a_file, "not a directory"),
+    ("model.path", lambda t: t / "missing", "no such directory"),
+    ("trainer.resume_from", a_file, "is not a directory"),
+    ("trainer.resume_from", lambda t: t / "missing", "is not a directory"),
+    ("security.curve_dir", a_file, "is not a directory"),
+    ("security.curve_dir", lambda t: t / "missing", "does not exist"),
+    ("security.curve_dir", lambda t: t / "cwd", "holds no readable allowed/, server.key, server.key_secret"),
+]
+
+
+@pytest.mark.parametrize("key, path, says", NOT_DIRECTORIES,
+                         ids=[f"{row[0]}-{i}" for i, row in enumerate(NOT_DIRECTORIES)])
+def test_a_directory_key_given_a_file_or_nothing_is_one_line(tmp_path, key, path, says):
+    given = path(tmp_path)
+    assert_one_line(run(tmp_path, "trainer", f"--{key}={given}"), "trainer", key, str(given), says)
 
 
 def test_a_device_this_machine_lacks_is_one_line(tmp_path):

@@ -2,9 +2,11 @@
 Used by the rollout producer and the trainer; try `EngineClient("http://127.0.0.1:30000").health()`.
 
 Thread-safe: each thread keeps its own keep-alive connection. Non-2xx answers raise EngineError with the
-server's message. Logprob entries are read by index (e[0] the logprob, e[1] the token id), never
-unpacked: SGLang sends [logprob, token_id, text] (the local engine too, text None), and a field it
-appends later must not break the client.
+server's message; `is_permanent` tells a refused generation request (retrying cannot help) from an
+engine that is down or busy, and a request refused for its shape (an empty batch) is never sent.
+Logprob entries are read by index (e[0] the logprob, e[1] the token id), never unpacked: SGLang sends
+[logprob, token_id, text] (the local engine too, text None), and a field it appends later must not
+break the client.
 """
 
 import hashlib
@@ -18,12 +20,24 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 
+RETRYABLE_4XX = (408, 409, 429)  # timeout, conflict, too many requests: worth another try
+
 
 class EngineError(RuntimeError):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, path: str = ""):
         super().__init__(f"engine answered HTTP {status}: {message}")
         self.status = status
         self.message = message
+        self.path = path  # the endpoint that answered so
+
+
+def is_permanent(e: Exception) -> bool:
+    """A /generate refused with a 4xx that will come back every time (a prompt longer than the
+    context, a malformed request): the engine is up and the request is at fault, so neither a retry
+    nor waiting for the engine can help. A failed weight update answers 4xx too, but is not such a
+    refusal: its transport is rebuilt and the update tried again."""
+    return (isinstance(e, EngineError) and e.path == "/generate" and 400 <= e.status < 500
+            and e.status not in RETRYABLE_4XX)
 
 
 def _error_message(raw: bytes) -> str:
@@ -152,7 +166,7 @@ class EngineClient:
     def _call(self, method: str, path: str, body=None, timeout_s: float | None = None):
         status, raw = self._request(method, path, body, timeout_s)
         if not 200 <= status < 300:
-            raise EngineError(status, _error_message(raw))
+            raise EngineError(status, _error_message(raw), path)
         if not raw:
             return None
         try:
@@ -176,7 +190,11 @@ class EngineClient:
 
     def generate(self, input_ids, sampling_params, *, return_logprob: bool = True,
                  logprob_start_len: int | None = None, rid=None):
-        """One prompt ([int]) -> one response dict; a batch ([[int]]) -> a list in input order."""
+        """One prompt ([int]) -> one response dict; a batch ([[int]]) -> a list in input order.
+        An empty prompt or batch is a caller's bug: ValueError, and nothing is sent."""
+        prompts = input_ids if input_ids and isinstance(input_ids[0], list) else [input_ids]
+        if not all(prompts):
+            raise ValueError("generate needs at least one prompt, each of at least one token")
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
         if logprob_start_len is not None:
             body["logprob_start_len"] = logprob_start_len

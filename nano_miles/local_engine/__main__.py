@@ -5,13 +5,12 @@ Run: python -m nano_miles.local_engine --model-path DIR [--host 127.0.0.1] [--po
 
 import argparse
 import ipaddress
-import json
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
-from typing import NoReturn
+
+from nano_miles.run.cli import ArgumentParser, UserError, run
 
 log = logging.getLogger("engine")
 PROG = "python -m nano_miles.local_engine"
@@ -21,31 +20,16 @@ PROG = "python -m nano_miles.local_engine"
 ATTENTION = "eager"
 
 
-def fail(message: str) -> NoReturn:
-    """A user mistake: one line on stderr and exit 2, as argparse does, without its usage block."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def check_model_dir(path: str) -> str | None:
-    """What keeps `path` from being a model directory, or None. Checked before transformers loads it,
-    which would take a missing directory for a hub repo id and fail with a traceback about that."""
-    config_path = Path(path) / "config.json"
-    if not Path(path).is_dir():
-        return f"--model-path {path}: no such directory"
-    if not config_path.is_file():
-        return f"--model-path {path}: no config.json, not a Hugging Face model directory"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        return f"{config_path}: not readable as JSON ({e})"
-    if not isinstance(config, dict) or not config.get("model_type"):
-        return f"{config_path} has no model_type"
-    return None
+    """What keeps `path` from being a model directory, or None (`paths.model_dir_problem`; this server
+    needs no tokenizer). Checked before transformers loads it."""
+    from nano_miles.run.paths import model_dir_problem
+    problem = model_dir_problem(Path(path), needs_tokenizer=False)
+    return problem and f"--model-path {path}: {problem}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=PROG, description=__doc__)  # a bad flag is a UserError: one line, exit 2
     p.add_argument("--model-path", required=True, help="local Hugging Face causal-LM directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback logs a warning)")
     p.add_argument("--port", type=int, default=30000)
@@ -59,13 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on cpu, where small models gain nothing from more and "
                         "OpenMP threads on shared cores spin against each other; torch's default on cuda)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.max_running_requests < 1:
-        fail(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
+        raise UserError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
     problem = check_model_dir(args.model_path)
     if problem:
-        fail(problem)
+        raise UserError(problem)
     return args
 
 
@@ -88,7 +72,7 @@ def main(argv=None) -> int:
     from nano_miles.observe.metrics import EngineMetrics
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda, but torch sees no CUDA device")
+        raise UserError("--device cuda, but torch sees no CUDA device")
     num_threads = args.num_threads or (1 if args.device == "cpu" else None)
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -104,7 +88,7 @@ def main(argv=None) -> int:
         # Whatever fails here is about the user's directory (weights missing or corrupt, a config that
         # transformers rejects): one line names it; --log-level DEBUG shows the traceback.
         log.debug("loading %s failed", args.model_path, exc_info=True)
-        fail(f"cannot load {args.model_path}: {type(e).__name__}: {' '.join(str(e).split())}")
+        raise UserError(f"cannot load {args.model_path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
     model = model.to(args.device).eval()
     config = model.config.get_text_config(decoder=True)
     eos = config.eos_token_id if config.eos_token_id is not None else getattr(model.config, "eos_token_id", None)
@@ -141,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main, "local_engine")

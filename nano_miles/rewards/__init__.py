@@ -7,7 +7,9 @@ reports held-out accuracy from the "accuracy" part when the function has one, an
 always. With `reward.fns = ["a:fn", "b:fn"]` and `reward.weights = [1.0, 0.2]` the reward is the
 weighted sum, every function's parts are logged under its name (`math/accuracy`, `b/reward`), and
 the plain "accuracy" and "format" parts are those of the first function that reports them. Reward
-functions always run in the reward stage's forked worker, with its per-sample timeout.
+functions always run in the reward stage's forked worker, with its per-sample timeout; a sample the
+function fails on scores 0, and a function that fails on a whole group, or on more than
+`reward.max_failure_fraction` of the samples, stops the run (`worker.FailureLimit`).
 Built in: `nano_miles.rewards.math:reward` (verifiable math answers) and the arithmetic task's own
 `nano_miles.tasks.arithmetic:reward`.
 """
@@ -65,6 +67,11 @@ def weighted(named_fns: list[tuple[str, RewardFn]], weights: list[float]) -> Rew
                     out.setdefault(key, float(value))
         return out
     return combined
+
+
+def describe(reward_cfg) -> str:
+    """The run's reward function as the config names it, for a message about it."""
+    return f"reward.fns {reward_cfg.fns}" if reward_cfg.fns else f"reward.fn {reward_cfg.fn!r}"
 
 
 def load_reward(reward_cfg) -> RewardFn:

@@ -1,6 +1,7 @@
 """The reward function run in a child process, with a per-call timeout, so that a raise or a hang
 costs one sample, never the stage calling it (the reward stage scores with it, the trainer's
-held-out evaluation too). Library module; `tests/test_reward_faults.py` drives it.
+held-out evaluation too), unless the function fails so often that it is broken (`FailureLimit`).
+Library module; `tests/test_reward_faults.py` drives it.
 
 A hanging Python function cannot be stopped from another thread, but a process can be killed: the
 worker is forked once and reused (the fast path is one Pipe round trip per sample); on a timeout it
@@ -17,6 +18,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+
+from nano_miles.run.cli import UserError
 
 log = logging.getLogger("reward")
 
@@ -110,6 +113,30 @@ class RewardWorker:
                 os.kill(self.proc.pid, signal.SIGKILL)  # a hung function ignores anything gentler
             self.proc.join(timeout=5.0)
             self.proc = None
+
+
+class FailureLimit:
+    """Tells a broken reward function from an unlucky sample. `check` after each batch scored (a group
+    in the reward stage, a held-out pass in the trainer's evaluation) raises a UserError naming the
+    function and its last error when every sample of the batch failed, or when more than
+    `max_fraction` of all the samples checked so far did; a failure that costs a sample now and then
+    goes on costing that sample only."""
+
+    def __init__(self, what: str, max_fraction: float):
+        self.what, self.max_fraction = what, max_fraction  # `what`: the function, as `describe` names it
+        self.num_scored = self.num_failed = 0
+
+    def check(self, num_scored: int, failures: list[RewardFailure]) -> None:
+        self.num_scored += num_scored
+        self.num_failed += len(failures)
+        if not failures:
+            return
+        if len(failures) == num_scored:
+            raise UserError(f"{self.what} failed on all {num_scored} samples of a batch; the last: {failures[-1]}")
+        if self.num_failed > self.max_fraction * self.num_scored:
+            raise UserError(f"{self.what} failed on {self.num_failed} of the {self.num_scored} samples scored, "
+                            f"more than reward.max_failure_fraction = {self.max_fraction:g}; the last: "
+                            f"{failures[-1]}")
 
 
 def score(worker: RewardWorker, response: str, label: str, on_failure=None) -> dict[str, float]:

@@ -7,24 +7,26 @@ Layering, lowest first: the dataclass defaults below, the TOML file (`configs/de
 how supervisord-launched stages get per-run settings), then command-line overrides. Each process reads
 the whole file and uses its own section; unknown sections or keys are errors, never silently ignored.
 Every field declares what it accepts next to its default (`rules.py`): a value out of range is an
-error at the process's start, naming the key, not a failure later inside a stage.
+error at the process's start, naming the key, not a failure later inside a stage. `values.py` reads
+a value as its field's type; `paths.py` looks up on disk the paths the stages will need.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nano_miles.run.cli import ArgumentParser, UserError, run
-from nano_miles.run.rules import (ANY_TEXT, ConfigError, Section, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
+from nano_miles.run.cli import ArgumentParser, run
+from nano_miles.run.paths import check_paths
+from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
                                   NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
-                                  URL_OR_EMPTY, URLS, above, at_least, between, checked, one_of)
+                                  URL_OR_EMPTY, URLS, Section, above, at_least, between, checked, one_of)
+from nano_miles.run.values import ConfigError, coerce, merge, parse_overrides, toml_scalar
 from nano_miles.wire.control import PAUSE_MODES
 
 # Relative paths are the working directory's, as for any command: supervisord runs every stage in the
@@ -46,11 +48,18 @@ class RunConfig(Section):
     dir: str = checked("runs/current", NON_EMPTY)     # run directory (relative to the repo root)
     seed: int = checked(0, at_least(0))
     mode: str = checked("sync", one_of("sync", "async"))  # sync: on-policy, staleness 0; async: bounded
-    max_staleness: int = checked(0, at_least(0))      # async only: samples this many versions older are dropped
+    max_staleness: int = checked(0, at_least(0))      # async only (sync refuses > 0): samples this many versions
+                                                      # older are dropped
     pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort (in-flight
                                                       # samples come back partial, are resumed), retract, in_place
     hang_timeout_s: float = checked(120.0, at_least(0))  # a stage whose loop has not beaten for this long
                                                       # is restarted (0 = never); above its longest step
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.mode == "sync" and self.max_staleness:
+            raise ConfigError(f"run.max_staleness = {self.max_staleness} bounds the staleness of run.mode=async; "
+                              "sync is on-policy (staleness 0): set run.mode=async, or leave max_staleness 0")
 
     @property
     def effective_max_staleness(self) -> int:
@@ -120,7 +129,8 @@ class TaskConfig(Section):
     name: str = checked("nano_miles.tasks.arithmetic", MODULE)  # imported, and its size checked, at stage start
                                                       # (nano_miles.tasks.files: a user's data file)
     num_train: int = checked(0, at_least(0))          # the first N train problems; 0 = all
-    num_test: int = checked(200, at_least(0))         # held-out problems evaluated; 0 = all
+    num_test: int = checked(200, at_least(0))         # held-out problems evaluated; 0 = all (a file task:
+                                                      # all of test_file; without one, > 0 of train_file)
     seed: int = checked(0, at_least(0))               # arithmetic: which problems (files: run.seed shuffles)
     train_file: str = checked("", ANY_TEXT)           # files: .jsonl, .json, .parquet or a datasets directory
     test_file: str = checked("", ANY_TEXT)            # files: held-out data; "" = a fixed slice of train_file
@@ -128,6 +138,14 @@ class TaskConfig(Section):
     label_key: str = checked("label", NON_EMPTY)      # files: the label's key, handed to the reward function
     chat_template: bool = checked(False, BOOL)        # render prompts with the tokenizer's chat template
     system_prompt: str = checked("", ANY_TEXT)        # with chat_template: a system turn before every prompt
+
+    def __post_init__(self):  # keys their task or mode would ignore: refused, not dropped in silence
+        super().__post_init__()
+        if self.system_prompt and not self.chat_template:
+            raise ConfigError("task.system_prompt is a turn of the chat template: set task.chat_template=true")
+        if self.name == "nano_miles.tasks.arithmetic" and (self.train_file or self.test_file):
+            raise ConfigError(f"task.{'train' if self.train_file else 'test'}_file is data for task.name="
+                              "nano_miles.tasks.files; the arithmetic task (the default task.name) makes its own")
 
 
 @dataclass
@@ -150,6 +168,9 @@ class RewardConfig(Section):
     weights: list = checked([], NUMBERS)              # one per function of `fns`; [] = all 1.0
     endpoint: str = checked("tcp://127.0.0.1:5702", ENDPOINT)  # PULL, bound by the reward stage
     timeout_s: float = checked(5.0, above(0))         # per-sample budget of the reward function
+    max_failure_fraction: float = checked(0.5, between(0, 1))  # a function that fails (raises, hangs, returns
+                                                      # no finite reward) on more than this share of the samples
+                                                      # scored so far, or on a whole group, stops the run
     metrics_port: int = checked(9102, PORT_OR_FREE)
 
     def __post_init__(self):
@@ -195,6 +216,9 @@ class TrainerConfig(Section):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.lr_min and self.lr_schedule != "cosine":
+            raise ConfigError(f"trainer.lr_min is where trainer.lr_schedule=cosine ends; the {self.lr_schedule} "
+                              "schedule has none: set the cosine schedule, or leave lr_min 0")
         if self.lr_min > self.lr:
             raise ConfigError(f"trainer.lr_min ({self.lr_min:g}) is above trainer.lr ({self.lr:g}): the cosine "
                               "schedule decays from lr down to lr_min")
@@ -226,6 +250,16 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    set_keys = frozenset()  # "section.key"s the user chose, filled by load_config (not a field: never dumped)
+
+    def is_set(self, dotted: str) -> bool:
+        """Whether `section.key` is the user's choice rather than its default applying: a value other
+        than the default, or the default itself named in a config file other than configs/default.toml
+        (which spells out the defaults) or by an override."""
+        section, key = dotted.split(".", 1)
+        f = next(f for f in dataclasses.fields(getattr(self, section)) if f.name == key)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        return dotted in self.set_keys or getattr(getattr(self, section), key) != default
 
     def __post_init__(self):  # rules between sections
         # The trainer's loop does not beat while a control call retries: a hang timeout within that
@@ -252,62 +286,9 @@ class Config:
         lines = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml_scalar(v)}" for k, v in values.items()]
+            lines += [f"{k} = {toml_scalar(v)}" for k, v in values.items()]
             lines.append("")
         return "\n".join(lines)
-
-
-def _toml_scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    return repr(value)
-
-
-def _parse_value(text: str):
-    """TOML scalar if it parses as one (numbers, booleans, quoted strings, lists), else a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _coerce(section: str, key: str, value, default):
-    where = f"{section}.{key}"
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, not {value!r}")
-    elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be an integer, not {value!r}")
-    elif isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, not {value!r}")
-        value = float(value)
-    elif isinstance(default, str) and not isinstance(value, str):
-        value = str(value)
-    return value
-
-
-def _apply(raw: dict[str, dict], table: dict, origin: str) -> None:
-    for section, values in table.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"{origin}: [{section}] must be a table")
-        raw.setdefault(section, {}).update(values)
-
-
-def parse_overrides(args: list[str]) -> dict[str, dict]:
-    """['--trainer.lr=1e-3', ...] -> {'trainer': {'lr': 0.001}}."""
-    table: dict[str, dict] = {}
-    for arg in args:
-        body = arg[2:] if arg.startswith("--") else arg
-        if "=" not in body or "." not in body.split("=", 1)[0]:
-            raise ConfigError(f"override {arg!r} must look like --section.key=value")
-        dotted, text = body.split("=", 1)
-        section, key = dotted.split(".", 1)
-        table.setdefault(section, {})[key] = _parse_value(text)
-    return table
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -315,19 +296,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     path = Path(path or os.environ.get("NANOMILES_CONFIG") or DEFAULT_CONFIG)
     try:
         is_builtin = path == DEFAULT_CONFIG and not path.is_file()
-        file_table = {} if is_builtin else tomllib.loads(path.read_text())
+        file_table = {} if is_builtin else tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, a file it may not read, text not UTF-8
+        raise ConfigError(f"config file {path} cannot be read as text ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: {e}") from None
-    raw: dict[str, dict] = {}
-    _apply(raw, file_table, str(path))
     try:
         env_overrides = shlex.split(os.environ.get("NANOMILES_OVERRIDES", ""))
-    except ValueError as e:  # an unbalanced quote
-        raise ConfigError(f"$NANOMILES_OVERRIDES does not split into words: {e}") from None
-    _apply(raw, parse_overrides(env_overrides), "$NANOMILES_OVERRIDES")
-    _apply(raw, parse_overrides(overrides or []), "command line")
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(f"$NANOMILES_OVERRIDES does not split into words ({e})") from None
+    raw: dict[str, dict] = {}
+    set_keys = merge(raw, file_table, str(path))
+    if path.resolve() == DEFAULT_CONFIG.resolve():
+        set_keys = set()  # the defaults spelled out: not the user's choice
+    set_keys |= merge(raw, parse_overrides(env_overrides), "$NANOMILES_OVERRIDES")
+    set_keys |= merge(raw, parse_overrides(overrides or []), "command line")
     built = {}
     for f in dataclasses.fields(Config):
         default = f.default_factory()
@@ -337,10 +322,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if unknown:
             raise ConfigError(f"unknown key(s) in [{f.name}]: {', '.join(sorted(unknown))} "
                               f"(known: {', '.join(defaults)})")
-        built[f.name] = type(default)(**{k: _coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
+        built[f.name] = type(default)(**{k: coerce(f.name, k, v, defaults[k]) for k, v in values.items()})
     if raw:
         raise ConfigError(f"unknown section(s): {', '.join(sorted(raw))} (known: {', '.join(built)})")
-    return Config(**built)
+    cfg = Config(**built)
+    cfg.set_keys = frozenset(set_keys)
+    return cfg
 
 
 def is_override(arg: str) -> bool:
@@ -363,20 +350,6 @@ def parse_config(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Conf
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     check_paths(cfg)
     return cfg, args
-
-
-def check_paths(cfg: Config) -> None:
-    """Paths a stage would trip over later, looked up on disk (the sections check values only, so a
-    config can be built and printed on a machine without them)."""
-    if not (cfg.model_dir / "config.json").is_file():
-        raise ConfigError(f"model.path {str(cfg.model_dir)!r} is not a local HF model directory "
-                          "(no config.json there)")
-    if cfg.trainer.resume_from and not Path(cfg.trainer.resume_from).is_dir():
-        raise ConfigError(f"trainer.resume_from {cfg.trainer.resume_from!r} is not a directory "
-                          "(a checkpoint, or a run directory with checkpoints/)")
-    if cfg.security.curve_dir and not (Path(cfg.security.curve_dir) / "allowed").is_dir():
-        raise ConfigError(f"security.curve_dir {cfg.security.curve_dir!r} holds no CURVE keys "
-                          "(python -m nano_miles.run.keys DIR makes them)")
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nano_miles.run.cli import UserError
+from nano_miles.run.values import ConfigError
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def _is_shell_words(text: str) -> bool:
     return True
 
 
-ANY_TEXT = Rule("a string", lambda v: isinstance(v, str))  # paths: config.check_paths looks them up on disk
+ANY_TEXT = Rule("a string", lambda v: isinstance(v, str))  # paths: paths.check_paths looks them up on disk
 NON_EMPTY = Rule("a non-empty string", lambda v: bool(v.strip()))
 BOOL = Rule("true or false", lambda v: isinstance(v, bool))
 FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1)
@@ -83,10 +83,6 @@ NUMBERS = Rule("a list of finite numbers", lambda v: isinstance(v, list) and all
     isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
 SHELL_WORDS = Rule("shell words with balanced quotes", _is_shell_words)
 TOP_K = Rule("-1 (off) or >= 1", lambda v: v == -1 or v >= 1)
-
-
-class ConfigError(UserError):
-    """A config file or override that cannot be used; the message names the key."""
 
 
 class Section:

@@ -6,9 +6,9 @@ the run's order, each a `Problem` with a `prompt` (text, or a list of chat messa
 `answer` (the label the reward function compares with). `load_problems` takes the first
 `task.num_train` / `task.num_test` of them (0 = all), so group ids, which are positions in that
 order, mean the same problem in every process and after every restart. A stage loads its task
-first thing: one that does not import, or that is smaller than the config asks for, is a
-UserError naming the key; a checkpoint keeps the train split's `split_identity`, and a restart under
-another split is refused. Built in: `nano_miles.tasks.arithmetic` (the default run) and
+first thing: one that does not import, that has an empty split, or that is smaller than the user
+asked for, is a UserError naming the key; a checkpoint keeps the train split's `split_identity`, and a
+restart under another split is refused. Built in: `nano_miles.tasks.arithmetic` (the default run) and
 `nano_miles.tasks.files` (a user's JSONL / Parquet / datasets file).
 """
 
@@ -18,9 +18,12 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import logging
 from dataclasses import dataclass
 
 from nano_miles.run.cli import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,22 @@ def load_task(name: str):
 
 
 def load_problems(cfg, split: str) -> list[Problem]:
-    """The first task.num_<split> problems of the split (0 = all of them); asking for more than the
-    task holds is a UserError naming the key and the task's size."""
+    """The first task.num_<split> problems of the split (0 = all of them). An empty split is a
+    UserError: the trainer evaluates the test split at least once, at the end (`trainer.eval_every`).
+    A split smaller than the number asked for is a UserError naming both if the user set it; left at
+    its default, the split is taken whole and a warning says so in one line."""
     problems = list(load_task(cfg.task.name).load_split(cfg, split))
-    num = {"train": cfg.task.num_train, "test": cfg.task.num_test}[split]
+    key, num = f"task.num_{split}", {"train": cfg.task.num_train, "test": cfg.task.num_test}[split]
+    if not problems:
+        raise UserError(f"the {split} split of {cfg.task.name} is empty: the trainer "
+                        f"{'trains on' if split == 'train' else 'evaluates'} it")
     if num > len(problems):
-        raise UserError(f"task.num_{split} must be at most {len(problems)} (the {split} problems of "
-                        f"{cfg.task.name}), not {num}; 0 takes them all")
+        if cfg.is_set(key):
+            raise UserError(f"{key} is {num}, but the {split} split of {cfg.task.name} holds {len(problems)} "
+                            f"problems: set at most {len(problems)}, or 0 to take them all")
+        log.warning("%s is %d by default, but the %s split of %s holds %d problems: using all %d", key, num,
+                    split, cfg.task.name, len(problems), len(problems))
+        num = 0
     return problems[:num] if num else problems
 
 

@@ -22,6 +22,7 @@ from nano_miles.run.cli import UserError
 
 log = logging.getLogger(__name__)
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates render
 TURN_MARK = "\u2063nano-miles\u2063"  # assistant text no template adds itself (invisible separators)
 
 
@@ -40,7 +41,8 @@ def chat_messages(prompt, system_prompt: str = "") -> list[dict]:
 
 
 def prompt_text(tokenizer, prompt, *, chat_template: bool, system_prompt: str = "") -> str:
-    """The text sent for `prompt`: itself, or rendered by the tokenizer's chat template."""
+    """The text sent for `prompt`: itself, or rendered by the tokenizer's chat template; a prompt the
+    template refuses is a UserError naming it (the rollout producer renders every prompt at its start)."""
     if not chat_template:
         if not isinstance(prompt, str):
             raise UserError("a prompt given as chat messages needs task.chat_template=true")
@@ -48,8 +50,13 @@ def prompt_text(tokenizer, prompt, *, chat_template: bool, system_prompt: str = 
     if not tokenizer.chat_template:
         raise UserError(f"task.chat_template is true, but the tokenizer of {tokenizer.name_or_path} has no "
                         "chat template")
-    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
-                                         add_generation_prompt=True)
+    from jinja2 import TemplateError
+    try:
+        return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                             add_generation_prompt=True)
+    except TemplateError as e:  # the template's own refusal, e.g. of roles that do not alternate
+        raise UserError(f"the chat template of {tokenizer.name_or_path} refuses the prompt "
+                        f"{str(prompt)[:80]!r}: {e}") from None
 
 
 def prompt_ids(tokenizer, prompt, *, chat_template: bool, system_prompt: str = "") -> list[int]:

@@ -8,7 +8,9 @@ caught in its buffers are re-issued upstream.
 
 The reward function runs in a child worker (`nano_miles/rewards/worker.py`) with `reward.timeout_s` per sample: a
 sample whose function raises, hangs or returns a non-finite value gets reward 0 (parts 0), is counted
-by reason and logged in one line, and the stage goes on with the next sample.
+by reason and logged in one line, and the stage goes on with the next sample. A function that fails
+on a whole group, or on more than `reward.max_failure_fraction` of the samples, is broken, not unlucky:
+the stage stops with one line naming it and its error (a UserError: exit status 2).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from nano_miles.algo.grpo import group_advantages
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.rewards.worker import REASONS, RewardFailure, RewardWorker, score
+from nano_miles.rewards import describe
+from nano_miles.rewards.worker import REASONS, FailureLimit, RewardFailure, RewardWorker, score
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 from nano_miles.wire.sockets import make_socket
 
@@ -59,10 +62,13 @@ class RewardStage:
         self.decode = decode
         self.num_received = self.num_sent = self.num_rejected = 0
         self.failures = dict.fromkeys(REASONS, 0)
+        self.limit = FailureLimit(describe(cfg.reward), cfg.reward.max_failure_fraction)
+        self.group_failures: list[RewardFailure] = []  # of the group being scored
         self.metrics = RewardMetrics(cfg)
 
     def on_failure(self, group_id: str, index: int, failure: RewardFailure) -> None:
         self.failures[failure.reason] += 1
+        self.group_failures.append(failure)
         self.metrics.reward_failures.labels(failure.reason).inc()
         log.warning("%s sample %d scored 0: %s", group_id, index, failure)
 
@@ -76,8 +82,10 @@ class RewardStage:
             return
         self.num_received += 1
         self.metrics.received(group)
+        self.group_failures = []
         scored = score_group(group, self.worker, self.decode,
                              lambda index, failure: self.on_failure(group.group_id, index, failure))
+        self.limit.check(len(group.samples), self.group_failures)  # a broken function ends the run here
         self.send(encode_scored(scored))
         self.num_sent += 1
         self.metrics.sent(scored)

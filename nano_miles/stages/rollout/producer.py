@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from nano_miles.algo.admission import version_allows
-from nano_miles.engine.client import EngineError, parse_output, sampling_seed, token_versions
+from nano_miles.engine.client import EngineError, is_permanent, parse_output, sampling_seed, token_versions
 from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import RolloutMetrics
 from nano_miles.run import liveness
@@ -44,12 +44,6 @@ log = logging.getLogger("rollout")
 MAX_SEGMENTS_PER_SAMPLE = 64  # a sample aborted this often means the engine is stuck in a pause loop
 MAX_OUTBOX = 64               # finished groups held while reward does not take them (backpressure)
 ENGINE_RETRY_S = (0.5, 1, 2, 4, 8)  # backoff between attempts at a group the engine failed
-RETRYABLE_4XX = (408, 409, 429)     # timeout, conflict, too many requests: worth another try
-
-
-def is_permanent(e: Exception) -> bool:
-    """A 4xx that will fail the same way every time (e.g. the prompt is longer than the context)."""
-    return isinstance(e, EngineError) and 400 <= e.status < 500 and e.status not in RETRYABLE_4XX
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from nano_miles.run.cli import UserError
-from nano_miles.weights.named_tensors import load_safetensors_dir
+from nano_miles.weights.named_tensors import WeightUpdateError, load_safetensors_dir
 
 log = logging.getLogger("trainer")
 
@@ -82,6 +82,10 @@ def eval_entry(saved) -> dict:
 
 class DamagedCheckpoint(RuntimeError):
     """A checkpoint whose files do not match its manifest (or that has none)."""
+
+
+class OlderCheckpoint(RuntimeError):
+    """A checkpoint whose trainer state lacks what this trainer continues from (an older format)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -177,13 +181,15 @@ def find_checkpoint(path: Path, what: str) -> Path:
     """`path` itself if it is a checkpoint that verifies, else the newest complete checkpoint of the
     run directory `path`; a UserError naming `what` (the key or argument) if there is none."""
     if (path / STATE_FILE).is_file():
-        candidates = [path]
-    elif (path / "checkpoints").is_dir():
-        candidates = list(reversed(complete_checkpoints(path / "checkpoints")))
-    else:
+        try:
+            verify(path)
+        except DamagedCheckpoint as e:
+            raise UserError(f"{what} {str(path)!r} does not verify: {e}") from None
+        return path
+    if not (path / "checkpoints").is_dir():
         raise UserError(f"{what} {str(path)!r} is neither a checkpoint (no {STATE_FILE}) nor a run directory "
                         "with checkpoints/")
-    for candidate in candidates:
+    for candidate in reversed(complete_checkpoints(path / "checkpoints")):
         try:
             verify(candidate)
             return candidate
@@ -193,14 +199,25 @@ def find_checkpoint(path: Path, what: str) -> Path:
 
 
 def load_resume_from(path: Path, model, learner) -> tuple[Path, TrainerState]:
-    """The checkpoint `trainer.resume_from` names, loaded (see `find_checkpoint`)."""
+    """The checkpoint `trainer.resume_from` names, loaded (see `find_checkpoint`); one of an older
+    format, or of another model, is a UserError naming it."""
     found = find_checkpoint(path, "trainer.resume_from")
-    return found, load_checkpoint(found, model, learner)
+    try:
+        return found, load_checkpoint(found, model, learner)
+    except OlderCheckpoint as e:
+        raise UserError(f"trainer.resume_from {str(found)!r}: {e}; its weights alone can start a new run: "
+                        f"--model.path={found}") from None
+    except WeightUpdateError as e:
+        raise UserError(f"trainer.resume_from {str(found)!r} does not fit model.path ({e})") from None
 
 
 def load_checkpoint(path: Path, model, learner) -> TrainerState:
-    """Load weights, optimizer and schedule state into the given objects; return the counters."""
-    load_safetensors_dir(model, str(path))
+    """Load weights, optimizer and schedule state into the given objects; return the counters.
+    The state is read and checked first: one this trainer cannot continue leaves the model untouched."""
     saved = torch.load(path / STATE_FILE, weights_only=True)
+    missing = [k for k in (*learner.state_dict(), *(f.name for f in fields(TrainerState))) if k not in saved]
+    if missing:
+        raise OlderCheckpoint(f"written by an older nano-miles: its {STATE_FILE} has no {', '.join(missing)}")
+    load_safetensors_dir(model, str(path))
     learner.load_state_dict(saved)
     return TrainerState.from_saved(saved)

@@ -2,7 +2,9 @@
 
 Library module used by the trainer, which evaluates through the engine (the weights it just pushed),
 with the run's prompt format (chat template included) and reward function, which runs in a forked
-worker with the reward stage's per-sample timeout.
+worker with the reward stage's per-sample timeout and failure limit: a held-out pass on which the
+function fails throughout, or past `reward.max_failure_fraction`, stops the trainer as it stops the
+reward stage.
 
 Accuracy is the mean of the reward function's "accuracy" part; a function without one has no
 accuracy (None), and its mean reward stands for it. With `trainer.eval_samples` = k > 1, k more
@@ -14,12 +16,16 @@ arithmetic task's "first_step" is the share of answers that tag the first step's
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 
 from nano_miles.engine.client import sampling_seed
-from nano_miles.rewards.worker import score
+from nano_miles.rewards import describe
+from nano_miles.rewards.worker import FailureLimit, score
 from nano_miles.run.config import Config
 from nano_miles.tasks.prompts import encode_prompts, make_decoder
+
+log = logging.getLogger("trainer")
 
 
 @dataclass
@@ -59,8 +65,17 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
     r, k = cfg.rollout, cfg.trainer.eval_samples
     greedy = {"max_new_tokens": r.max_new_tokens, "temperature": 0.0, "stop_token_ids": stop_ids}
 
+    limit = FailureLimit(describe(cfg.reward), cfg.reward.max_failure_fraction)
+
     def scores(outputs, labels) -> list[dict[str, float]]:
-        return [score(worker, decode(out["output_ids"]), label) for out, label in zip(outputs, labels)]
+        failures = []
+        parts = [score(worker, decode(out["output_ids"]), label, failures.append)
+                 for out, label in zip(outputs, labels)]
+        if failures:
+            log.warning("the reward function failed on %d of %d held-out samples (scored 0); the last: %s",
+                        len(failures), len(parts), failures[-1])
+        limit.check(len(parts), failures)
+        return parts
 
     def evaluate(engine, step: int, elapsed_s: float) -> EvalResult:
         labels = [p.answer for p in problems]

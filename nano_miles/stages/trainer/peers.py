@@ -17,7 +17,7 @@ from typing import Callable
 
 import zmq
 
-from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache, keeps_requests
+from nano_miles.engine.client import EngineClient, EngineError, has_prefix_cache, is_permanent, keeps_requests
 from nano_miles.engine.group import make_engine
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
@@ -98,13 +98,14 @@ class Peers:
 
     # ------------------------------------------------------------------ engine
     def with_engine(self, what: str, fn: Callable):
-        """Run `fn()`; if the engine is down or failing, wait for it and try again (bounded)."""
+        """Run `fn()`; if the engine is down or failing, wait for it and try again (bounded). A generation
+        request the engine refused (`is_permanent`) is raised at once: it would be refused again."""
         deadline = time.monotonic() + PEER_TIMEOUT_S
         while True:
             try:
                 return fn()
             except (EngineError, OSError, WeightTransportError) as e:
-                if time.monotonic() > deadline:
+                if is_permanent(e) or time.monotonic() > deadline:
                     raise
                 log.warning("engine failed during %s (%s); waiting for it", what, e)
                 self.wait_for_engine(max(1.0, deadline - time.monotonic()))
