@@ -40,7 +40,7 @@ def test_a_result_that_does_not_encode_leaves_the_last_file_whole(tmp_path):
     with pytest.raises(TypeError):
         write_result(path, {"rows": [1, object()]}, is_complete=False)
     assert json.loads(path.read_text()) == {"complete": False, "rows": [1]}
-    with pytest.raises(ValueError):  # the flag is the helper's: a result may not carry its own
+    with pytest.raises(ValueError):  # the flag is write_result's: a result may not carry its own
         write_result(path, {"complete": True}, is_complete=False)
 
 

@@ -1,5 +1,6 @@
 """What an operator does to a run under the real supervisord: a typo in the config, a mistake only one
-stage meets, a second `make run` while a run is live, supervisord itself killed and started again.
+stage meets, a second `make run` while a run is live, supervisord itself killed and started again
+with another train split (refused) and another batch size (taken).
 
 Run: `pytest tests/test_operator.py` (slow: pipelines on the small policy).
 """
@@ -82,16 +83,25 @@ def test_a_second_make_run_and_a_killed_supervisord_lose_nothing(tmp_path):
         while processes_of_run(run.run_dir):
             assert time.monotonic() < deadline, f"left running: {processes_of_run(run.run_dir)}"
             time.sleep(0.2)
-        # started again on the same directory: it resumes and finishes
-        run = SupervisedRun(run.run_dir, QUICK).start()
+        # started again with another train split: refused in one line, quoted in FAILED (before: the
+        # ledger silently counted other prompts)
+        run = SupervisedRun(run.run_dir, QUICK + ["--task.num_train=500"]).start()
+        run.wait(timeout_s=120)
+        failed = (run.run_dir / "FAILED").read_text()
+        assert "task.num_train is 500" in failed and "was made with 0" in failed, failed
+        # and with another batch size, which a run may change: it resumes and finishes
+        run = SupervisedRun(run.run_dir, QUICK + ["--trainer.batch_groups=4"]).start()
         assert run.wait(timeout_s=400) == 0, run.tail()
     finally:
         run.stop()
     summary = run.summary()
     assert summary["ledger"]["num_lost"] == 0 and summary["ledger"]["num_trained_twice"] == 0, summary["ledger"]
-    assert summary["ledger"]["num_trained_once"] == 16 * 8
-    assert sorted(run.steps()) == list(range(1, 17))
-    assert not (run.run_dir / "FAILED").exists()
+    steps = run.steps()
+    assert sorted(steps) == list(range(1, 17))
+    ids = [g for r in steps.values() for g in r["group_ids"]]
+    assert len(ids) == len(set(ids)) == summary["ledger"]["num_trained_once"]
+    assert {len(r["group_ids"]) for r in steps.values()} == {8, 4}  # both batch sizes trained
+    assert not (run.run_dir / "FAILED").exists()  # the finished attempt cleared the refused one's
     # the finished run is moved aside by the next `make run`
     assert fresh(run.run_dir).returncode == 0 and not (run.run_dir / "summary.json").exists()
 

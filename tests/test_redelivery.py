@@ -115,8 +115,8 @@ def stages(tmp_path, engine_port, *overrides):
 
 def take_step(trainer: Trainer) -> list[str]:
     """One step of `Trainer.train` (pull, optimize, commit, push the new weights), no evaluation."""
-    trainer.state.step += 1
     groups, _ = trainer.pull_batch()
+    trainer.state.step += 1  # the model holds the step from its optimizer pass on
     trainer.optimize(groups)
     trainer.commit(trainer.step, trainer.state.trained_by_step[trainer.step])
     trainer.peers.update_weights(trainer.model, trainer.step)
