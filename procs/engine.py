@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
                       help="which engine: it serves on engine.port + K (default 0)")
     slot.add_argument("--router", action="store_true", help="the sglang-router in front of the replicas")
     parser.add_argument("--print", action="store_true", help="print the command line, run nothing")
-    cfg, args = parse_config(argv, parser)
+    cfg, args = parse_config(argv, parser, needs_tokenizer=False)  # token ids in and out
     if args.replica < 0:
         parser.error(f"--replica must be >= 0, not {args.replica}")
     replicas = cfg.engine.replicas

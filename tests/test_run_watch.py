@@ -90,7 +90,8 @@ def test_a_trainer_refusing_a_finished_run_ends_it_as_refused(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "trainer.log").write_text("trainer: ... holds the finished run abc: move it aside\n")
     reason = event(RunWatch(tmp_path, 0, supervisor=Exited(2)), "PROCESS_STATE_EXITED", TRAINER_EXITED, 1.0)
-    assert reason == "refused: trainer.log: trainer: ... holds the finished run abc: move it aside"
+    # the trainer's own line (on the terminal, in trainer.log) says why: this one does not repeat it
+    assert reason == f"refused: trainer would not start on the finished run in {tmp_path} (exit 2)"
 
 
 def test_a_new_attempt_clears_an_earlier_failure(tmp_path):

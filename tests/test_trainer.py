@@ -227,7 +227,7 @@ def test_a_checkpoint_of_another_train_split_is_refused_in_one_line(make_trainer
     with pytest.raises(UserError, match="task.seed is 1, .* was made with 0"):
         make_trainer("--task.num_train=840", "--task.seed=1")
     # a setting that leaves the problems as they were (how prompts are rendered) is no other split
-    resumed = make_trainer("--task.num_train=840", "--task.system_prompt=Be brief.")
+    resumed = make_trainer("--task.num_train=840", "--task.chat_template=true", "--task.system_prompt=Be brief.")
     assert resumed.step == 1 and resumed.trained_ids == trainer.trained_ids
 
 

@@ -335,10 +335,11 @@ def is_override(arg: str) -> bool:
     return arg.startswith("--") and "." in arg.split("=", 1)[0]
 
 
-def parse_config(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Config, argparse.Namespace]:
+def parse_config(argv: list[str], parser: argparse.ArgumentParser, *,
+                 needs_tokenizer: bool = True) -> tuple[Config, argparse.Namespace]:
     """What every entry point that reads the config does first: `--config FILE` and the overrides make
-    the Config, every other flag goes through `parser` (which also answers --help). A mistake in any
-    of them raises a UserError naming it (ConfigError is one)."""
+    the Config, every other flag goes through `parser` (which also answers --help), the paths are
+    looked up (`paths.check_paths`). A mistake in any of them raises a UserError naming it."""
     parser.add_argument("--config", metavar="FILE",
                         help="the TOML file (default: $NANOMILES_CONFIG, else configs/default.toml)")
     parser.epilog = ("--section.key=value overrides one key of the config, e.g. --trainer.lr=1e-3\n"
@@ -348,7 +349,7 @@ def parse_config(argv: list[str], parser: argparse.ArgumentParser) -> tuple[Conf
     cfg = load_config(args.config, [a for a in argv if is_override(a)])
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    check_paths(cfg)
+    check_paths(cfg, needs_tokenizer=needs_tokenizer)
     return cfg, args
 
 

@@ -64,10 +64,11 @@ def curve_dir_problem(path: Path) -> str | None:
     return f"holds no readable {', '.join(missing)}" if missing else None
 
 
-def check_paths(cfg) -> None:
+def check_paths(cfg, *, needs_tokenizer: bool = True) -> None:
     """Paths a stage would trip over later, looked up on disk (the sections check values only, so a
-    config can be built and printed on a machine without them)."""
-    problem = model_dir_problem(cfg.model_dir)
+    config can be built and printed on a machine without them). The engines take token ids and never
+    read a tokenizer (`needs_tokenizer=False`)."""
+    problem = model_dir_problem(cfg.model_dir, needs_tokenizer=needs_tokenizer)
     if problem:
         raise UserError(f"model.path {str(cfg.model_dir)!r}: {problem}")
     problem = writable_dir_problem(cfg.run_dir)

@@ -110,7 +110,7 @@ class RunWatch:
         if status == 0:
             return "done" if name == "trainer" else None
         if status == EXIT_USAGE and (self.run_dir / FINISHED_FILE).is_file():  # a finished run: leave it be
-            return f"refused: {self.quote(name)}"
+            return f"refused: {name} would not start on the finished run in {self.run_dir} (exit {status})"
         return f"failed: {name} stopped the run (exit {status}); {self.quote(name)}"
 
     def quote(self, program: str) -> str:
