@@ -237,7 +237,6 @@ def test_router_command_line():
 @pytest.mark.parametrize("slot", [["--replica=1"], ["--replica=3", "--engine.replicas=3"], ["--router"]])
 def test_an_unused_slot_says_so_and_exits_0(slot):
     import subprocess
-    import sys
     result = subprocess.run([*proc_command("engine"), *slot], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and "is not used: engine.replicas = " in result.stdout, result
@@ -252,7 +251,6 @@ def test_sglang_gets_the_configured_dtype(tmp_path, dtype):
 
 def test_entry_point_rejects_a_model_path_without_a_model(tmp_path):
     import subprocess
-    import sys
     result = subprocess.run([*proc_command("engine"), f"--model.path={tmp_path}",
                              "--print"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
