@@ -116,8 +116,8 @@ def measure(case: Case, device: str) -> dict:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     samples = [TrainSample(rng.integers(3, vocab, case.prompt), rng.integers(3, vocab, case.response),
-                      np.full(case.response, -5.0, np.float32), float(rng.standard_normal()))
-               for _ in range(case.samples)]
+                      np.full(case.response, -5.0, np.float32), float(rng.standard_normal()), i // 8)
+               for i in range(case.samples)]
     cfg = TrainerConfig(lr=1e-6, micro_batch_tokens=case.budget, dtype=case.dtype,
                         gradient_checkpointing=case.checkpointing)
     row = {**asdict(case), "label": case.label}
@@ -130,7 +130,7 @@ def measure(case: Case, device: str) -> dict:
         if device != "cpu":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        result = learner.step(samples)
+        result, _ = learner.step(samples)
         if device != "cpu":
             torch.cuda.synchronize()
         step_s = time.perf_counter() - started

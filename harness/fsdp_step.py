@@ -2,7 +2,7 @@
 Check: `torchrun --nproc-per-node 2 -m harness.fsdp_step OUT.pt` (gloo on CPU) vs `python -m harness.fsdp_step OUT.pt`.
 Not part of the pipeline yet (docs/scale-out.md says what wiring it into the trainer stage takes).
 
-Each rank holds a shard of every parameter and trains on its slice of the batch. `ppo_loss` is a
+Each rank holds a shard of every parameter and trains on its slice of the batch. `policy_loss` is a
 masked token mean, and FSDP averages gradients over ranks, so each rank's loss is scaled by
 num_world * local_tokens / global_tokens: the averaged gradient is then the single-process one.
 Before a weight push every rank joins the all-gather (`full_named_tensors`); only rank 0 keeps the
@@ -68,12 +68,12 @@ def train_step(model, optimizer, batch, loss_cfg, temperature: float, max_grad_n
     import torch.distributed as dist
 
     from nano_miles.algo.grpo import token_logprobs
-    from nano_miles.algo.loss import ppo_loss
+    from nano_miles.algo.loss import policy_loss
 
     part = local_slice(batch.input_ids.shape[0], rank, world)
     logp = token_logprobs(model, batch.input_ids[part], batch.targets[part], batch.attention_mask[part],
                           temperature)
-    out = ppo_loss(logp, batch.old_logprobs[part], batch.advantages[part], batch.loss_mask[part], loss_cfg)
+    out = policy_loss(logp, batch.old_logprobs[part], batch.advantages[part], batch.loss_mask[part], loss_cfg)
     num_local = batch.loss_mask[part].sum().float()
     num_global = batch.loss_mask.sum().float()
     loss = out.loss * (world * num_local / num_global)

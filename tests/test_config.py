@@ -135,10 +135,35 @@ def test_bad_overrides_are_named(override, match):
     ("--task.system_prompt=Be brief.", r"^task.system_prompt is a turn of the chat template: set task.chat_template"),
     ("--task.train_file=data.jsonl", r"^task.train_file is data for task.name=nano_miles.tasks.files; the arithmetic"),
     ("--trainer.lr_min=1e-5", r"^trainer.lr_min is where trainer.lr_schedule=cosine ends; the constant schedule"),
+    ("--trainer.loss=ppo", r"trainer.loss must be one of dapo, grpo, dr_grpo, gspo, gspo_token, cispo, not 'ppo'"),
+    ("--trainer.advantage=gae", r"trainer.advantage must be one of grpo, rloo, reinforce_pp, not 'gae'"),
+    ("--trainer.num_iterations=0", r"trainer.num_iterations must be >= 1"),
 ])
 def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--trainer.advantage=rloo", "--trainer.scale_rewards=none"],
+     r"^trainer.scale_rewards=none is the grpo estimator's option; trainer.advantage=rloo scales its own way"),
+    (["--trainer.kl_in=reward"], r"^trainer.kl_in and trainer.kl_estimator shape the KL penalty, which is off"),
+    (["--trainer.kl_estimator=k1"], r"^trainer.kl_in and trainer.kl_estimator shape the KL penalty, which is off"),
+    (["--trainer.mini_batches=200", "--trainer.batch_groups=4"],
+     r"^trainer.mini_batches \(200\) is more than a step's 32 samples \(trainer.batch_groups x rollout.group_size\)"),
+])
+def test_algorithm_settings_that_do_not_go_together_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=overrides)
+    load_config(overrides=["--trainer.kl_coef=0.01", "--trainer.kl_in=reward", "--trainer.kl_estimator=k1",
+                           "--trainer.scale_rewards=none", "--trainer.mini_batches=128"])
+
+
+def test_the_algorithm_names_are_the_ones_algo_picks_its_functions_by():
+    from nano_miles.algo import advantages, loss
+    from nano_miles.run import config
+    assert config.ADVANTAGES == tuple(advantages.ESTIMATORS) and config.REWARD_SCALES == advantages.SCALES
+    assert config.LOSSES == loss.LOSSES and config.KL_ESTIMATORS == loss.KL_ESTIMATORS
 
 
 def test_replicas_are_engines_started_here_and_get_a_router():

@@ -28,13 +28,14 @@ def small_qwen(num_layers: int = 4):
 def samples(num: int, response: int = 512) -> list[TrainSample]:
     rng = np.random.default_rng(0)
     return [TrainSample(rng.integers(3, 150000, int(rng.integers(20, 60))), rng.integers(3, 150000, response),
-                   np.full(response, -11.0, np.float32), float(rng.choice([-1.0, 1.0]))) for _ in range(num)]
+                        np.full(response, -11.0, np.float32), float(rng.choice([-1.0, 1.0])), i // 4)
+            for i in range(num)]
 
 
 def step(batch, **overrides) -> tuple:
     """One step on a fresh model, alone on the GPU (so its peak is its own): (result, grads on the CPU)."""
     model = small_qwen()
-    result = Learner(TrainerConfig(device="cuda", **overrides), model, pad_id=0, temperature=1.0).step(batch)
+    result, _ = Learner(TrainerConfig(device="cuda", **overrides), model, pad_id=0, temperature=1.0).step(batch)
     grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
     del model

@@ -34,8 +34,7 @@ def scored_group(run_id: str, group_id: str) -> bytes:
     samples = [Sample(np.array([5, 6], np.int32), np.array([-1.0, -1.0], np.float32), np.zeros(2, np.int32),
                       "stop") for _ in range(4)]
     group = RolloutGroup(group_id, 0, np.array([3, 4], np.int32), samples, {"label": "0"}, run_id=run_id)
-    return encode_scored(ScoredGroup(group, np.array([1, 0, 1, 0], np.float32),
-                                     np.array([1, -1, 1, -1], np.float32)))
+    return encode_scored(ScoredGroup(group, np.array([1, 0, 1, 0], np.float32)))
 
 
 def events(run: SupervisedRun) -> list[dict]:

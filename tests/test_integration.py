@@ -5,8 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nano_miles.algo.grpo import assemble_batch, group_advantages, token_logprobs
-from nano_miles.algo.loss import LossConfig, ppo_loss
+from nano_miles.algo.advantages import estimate
+from nano_miles.algo.grpo import assemble_batch, token_logprobs
+from nano_miles.algo.loss import LossConfig, policy_loss
 from nano_miles.engine.client import EngineClient, parse_output
 from nano_miles.run.config import TaskConfig
 from nano_miles.tasks.prompts import encode_prompts, make_decoder
@@ -38,7 +39,7 @@ def rollout_batch(engine: EngineClient, tokenizer, num_prompts: int, seed: int =
             group.append(reward(decode(tokens), problem.answer)["reward"])
             rows.append((prompt, tokens, logprobs, version))
         rewards.append(group)
-    adv = group_advantages(torch.tensor(rewards)).flatten().tolist()
+    adv = torch.cat(estimate("grpo", rewards)).tolist()
     batch = assemble_batch([np.array(r[0]) for r in rows], [np.array(r[1]) for r in rows],
                            [np.array(r[2], np.float32) for r in rows], adv, tokenizer.pad_token_id)
     return batch, torch.tensor(rewards), {r[3] for r in rows}
@@ -57,12 +58,12 @@ def test_group_rollout_to_loss_end_to_end_with_step0_parity(engine_url, policy):
     assert versions == {"0"}
     assert batch.num_tokens == int(batch.loss_mask.sum()) > 0
     logp = trainer_logprobs(model, batch)
-    out = ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
+    out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
     # engine (KV-cached, batched decode) and trainer (one full forward) agree in fp32
     assert out.means.parity <= 1e-5
     assert out.means.clip_fraction == 0.0 and out.means.dual_clip_fraction == 0.0
     # with the trainer's own logprobs as the old policy the ratio is exactly 1
-    exact = ppo_loss(logp, logp, batch.advantages, batch.loss_mask)
+    exact = policy_loss(logp, logp, batch.advantages, batch.loss_mask)
     masked_adv = batch.advantages[batch.loss_mask]
     assert exact.loss.item() == pytest.approx(-masked_adv.mean().item(), abs=1e-7)
     # advantages: zero-mean per group unless the group carried no signal at all
@@ -88,7 +89,7 @@ def test_trainer_logprobs_match_the_engine_sampling_with_temperature_top_k_and_t
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logp = token_logprobs(model, batch.input_ids, batch.targets, batch.attention_mask, temperature)
-    out = ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
+    out = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask, LossConfig())
     assert out.means.parity <= 1e-5  # the bound of the temperature-1 case above
     gaps = (logp - batch.old_logprobs)[batch.loss_mask].abs()
     assert gaps.max() <= 1e-4
@@ -117,7 +118,7 @@ def test_one_step_moves_logprobs_along_advantages_and_sync_restores_parity(engin
     before = trainer_logprobs(model, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     logp = token_logprobs(model, batch.input_ids, batch.targets, batch.attention_mask, TEMPERATURE)
-    ppo_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask).loss.backward()
+    policy_loss(logp, batch.old_logprobs, batch.advantages, batch.loss_mask).loss.backward()
     optimizer.step()
     after = trainer_logprobs(model, batch)
     per_sample_adv = batch.advantages.sum(dim=1) / batch.loss_mask.sum(dim=1).clamp(min=1)

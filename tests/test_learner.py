@@ -25,22 +25,25 @@ def policy(policy_dir):
     return lambda: AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
 
 
-def make_samples(num: int, seed: int = 0) -> list[TrainSample]:
-    """Samples of very different lengths, behaviour log-probs near a real policy's, advantages +-."""
+def make_samples(num: int, seed: int = 0, group_size: int = 3) -> list[TrainSample]:
+    """Samples of very different lengths, behaviour log-probs near a real policy's, rewards in [0, 1] that
+    differ inside each group of `group_size` (so advantages are + and -)."""
     rng = np.random.default_rng(seed)
     samples = []
     for i in range(num):
         prompt = rng.integers(3, 260, size=int(rng.integers(4, 20)))
         response = rng.integers(3, 260, size=int(rng.integers(2, 40)))
         logprobs = -rng.uniform(0.1, 4.0, size=len(response)).astype(np.float32)
-        samples.append(TrainSample(prompt, response, logprobs, float(rng.choice([-1.0, 1.0]) * rng.uniform(0.3, 1.5))))
+        reward = float(np.float32(rng.uniform(0, 1)))  # as the wire carries it
+        samples.append(TrainSample(prompt, response, logprobs, reward, i // group_size))
     return samples
 
 
 def step_with(model, samples, **overrides):
-    """One step of a Learner with the trainer's defaults (AdamW, lr 1e-4) and `overrides`."""
-    learner = Learner(TrainerConfig(**overrides), model, pad_id=0, temperature=TEMPERATURE)
-    return learner, learner.step(samples)
+    """One step of a Learner with the trainer's defaults (AdamW, lr 1e-4) and `overrides`: (learner,
+    what the step did)."""
+    learner = Learner(TrainerConfig(**overrides), model, pad_id=0, temperature=TEMPERATURE, max_new_tokens=40)
+    return learner, learner.step(samples)[0]
 
 
 def test_micro_batches_respect_the_budget_and_take_every_sample_once():
@@ -89,7 +92,7 @@ def test_chunked_log_probs_and_their_gradients_are_the_full_forwards(policy, mon
     """Scoring a few tokens at a time (recomputed in backward) = one full-vocabulary forward, in fp32."""
     samples = make_samples(5, seed=1)
     batch = assemble_batch([s.prompt for s in samples], [s.response for s in samples],
-                           [s.logprobs for s in samples], [s.advantage for s in samples], pad_id=0)
+                           [s.logprobs for s in samples], [s.reward - 0.5 for s in samples], pad_id=0)
     full_model, chunked_model = policy(), policy()
     logits = full_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float() / TEMPERATURE
     logp_all = torch.log_softmax(logits, -1)
@@ -137,7 +140,7 @@ def test_entropy_and_k3_kl_are_what_a_plain_forward_gives(policy):
     model = policy()
     base = copy.deepcopy(model)
     learner, first = step_with(model, samples, kl_coef=0.1)
-    batch = learner.assemble(samples)
+    batch = learner.assemble(samples, [0.0] * len(samples))
     with torch.no_grad():  # the step scored the model before its update, i.e. the base policy
         logp_all = torch.log_softmax(base(input_ids=batch.input_ids).logits / TEMPERATURE, -1)
         ref_all = torch.log_softmax(base.to(torch.bfloat16)(input_ids=batch.input_ids).logits.float() / TEMPERATURE, -1)
@@ -148,7 +151,7 @@ def test_entropy_and_k3_kl_are_what_a_plain_forward_gives(policy):
     assert first.means.entropy == pytest.approx(float(entropy), rel=1e-5)
     assert first.means.kl == pytest.approx(float(k3), rel=1e-3) and first.means.kl >= 0
     for _ in range(3):
-        later = learner.step(samples)
+        later, _ = learner.step(samples)
     assert later.means.kl > 10 * first.means.kl  # the policy moved away from its bf16 starting copy
     _, off = step_with(policy(), samples)
     assert off.means.kl is None

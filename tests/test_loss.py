@@ -5,19 +5,19 @@ import math
 import pytest
 import torch
 
-from nano_miles.algo.loss import LossConfig, ppo_loss
+from nano_miles.algo.loss import LossConfig, policy_loss
 
 CFG = LossConfig(eps_clip=0.2, eps_clip_high=0.28, dual_clip_c=3.0)
 
 
 def one_token(logp, old, adv):
-    return ppo_loss(torch.tensor([[logp]]), torch.tensor([[old]]), torch.tensor([[adv]]),
+    return policy_loss(torch.tensor([[logp]]), torch.tensor([[old]]), torch.tensor([[adv]]),
                     torch.tensor([[True]]), CFG)
 
 
 def test_step0_ratio_one_no_clipping():
     logp = torch.tensor([[-1.0, -2.0, -0.5]])
-    out = ppo_loss(logp, logp.clone(), torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3, dtype=torch.bool))
+    out = policy_loss(logp, logp.clone(), torch.tensor([[1.0, -2.0, 0.5]]), torch.ones(1, 3, dtype=torch.bool))
     assert out.means.clip_fraction == 0.0 and out.means.dual_clip_fraction == 0.0 and out.means.parity == 0.0
     assert out.loss.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)
 
@@ -42,11 +42,11 @@ def test_masked_positions_cannot_change_the_loss():
     logp = torch.tensor([[-1.0, -0.5, -3.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-1.1, -0.4, -1.0, -1.0]])
     adv = torch.tensor([[1.0, -1.0, 0.0, 0.0]])
-    base = ppo_loss(logp, old, adv, mask)
+    base = policy_loss(logp, old, adv, mask)
     nasty_logp = torch.tensor([[-1.0, -0.5, 1e30, float("nan")]], requires_grad=True)
     nasty_old = torch.tensor([[-1.1, -0.4, float("-inf"), float("nan")]])
     nasty_adv = torch.tensor([[1.0, -1.0, 1e30, float("inf")]])
-    out = ppo_loss(nasty_logp, nasty_old, nasty_adv, mask)
+    out = policy_loss(nasty_logp, nasty_old, nasty_adv, mask)
     assert torch.isfinite(out.loss) and out.loss.item() == base.loss.item()
     assert out.means.parity == pytest.approx(base.means.parity) and out.num_tokens == 2
     out.loss.backward()
@@ -61,13 +61,13 @@ def test_extreme_log_ratio_is_clamped():
 def test_gradient_pushes_logprob_along_advantage():
     for adv in (1.0, -1.0):
         logp = torch.tensor([[-1.0]], requires_grad=True)
-        ppo_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[adv]]), torch.tensor([[True]])).loss.backward()
+        policy_loss(logp, torch.tensor([[-1.0]]), torch.tensor([[adv]]), torch.tensor([[True]])).loss.backward()
         assert torch.sign(-logp.grad).item() == adv  # descent raises logp iff A > 0
 
 
 def test_parity_measures_engine_gap():
     logp = torch.tensor([[-1.0, -2.0]])
-    out = ppo_loss(logp, logp, torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+    out = policy_loss(logp, logp, torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
                    engine_logp=torch.tensor([[-1.5, -2.0]]))
     assert out.means.parity == pytest.approx(0.25)
 
@@ -87,8 +87,8 @@ def test_truncated_is_weights():
     assert w[0, 2].item() == pytest.approx(torch.exp(torch.tensor(-0.5)).item())
     assert w[0, 3].item() == 1.0  # off the mask: neutral, NaN cannot leak in
     logp = old.clone()
-    base = ppo_loss(logp, old, torch.ones(1, 4), mask)
-    weighted = ppo_loss(logp, old, torch.ones(1, 4), mask, is_weights=w)
+    base = policy_loss(logp, old, torch.ones(1, 4), mask)
+    weighted = policy_loss(logp, old, torch.ones(1, 4), mask, is_weights=w)
     assert weighted.loss.item() == pytest.approx(base.loss.item() * w[0, :3].mean().item())
 
 
@@ -133,7 +133,7 @@ def test_batch_loss_is_a_token_mean_over_rows_of_different_lengths():
     token_mean = total / num_tokens
     assert abs(token_mean - sum(row_means) / len(rows)) > 0.5  # the two ways of averaging really differ here
     logp.requires_grad_(True)
-    out = ppo_loss(logp, old, adv, mask, CFG, is_weights=weights)
+    out = policy_loss(logp, old, adv, mask, CFG, is_weights=weights)
     assert out.num_tokens == num_tokens
     assert out.loss.item() == pytest.approx(token_mean, rel=1e-5)
     assert out.means.clip_fraction == pytest.approx(num_clipped / num_tokens)

@@ -95,7 +95,7 @@ def test_a_reward_function_without_accuracy_works_through_scoring_records_and_su
 
     learned = LearnResult(pg_loss=0.5, means=LossDiagnostics(clip_fraction=0.0, dual_clip_fraction=0.0, parity=0.0,
                                                              entropy=0.5), num_tokens=3, grad_norm=1.0, lr=1e-4)
-    stats = StepStats.from_groups([scored], step=1, learned=learned)
+    stats = StepStats.from_groups([scored], step=1, learned=learned, advantages=np.array([0.7, -1.4, 0.7]))
     assert stats.accuracy is None and stats.format is None and stats.reward == pytest.approx(2 / 3)
     record = {**stats.as_dict(), "step": 1, "update_ms": 1.0, "queue_depth": 0, "step_s": 0.1,
               "eval_reward": 0.25}

@@ -46,9 +46,7 @@ def fixed_group() -> RolloutGroup:
 
 
 def fixed_scored() -> ScoredGroup:
-    # advantages as the reward stage whitens rewards [1, 0]: population std 0.5, eps 1e-6
-    a = 0.5 / (0.5 + 1e-6)
-    return ScoredGroup(fixed_group(), rewards=f32(1.0, 0.0), advantages=f32(a, -a),
+    return ScoredGroup(fixed_group(), rewards=f32(1.0, 0.0),
                        reward_parts={"format": f32(1.0, 1.0), "accuracy": f32(1.0, 0.0)})
 
 
@@ -66,8 +64,8 @@ def fixed_controls() -> dict[str, bytes]:
             "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
 
 
-# schema version of each golden message: data plane v2, control plane v5
-GOLDEN_VERSIONS = {"rollout": 2, "scored": 2, "request_restore": 5, "reply_status": 5}
+# schema version of each golden message: data plane v3, control plane v5
+GOLDEN_VERSIONS = {"rollout": 3, "scored": 3, "request_restore": 5, "reply_status": 5}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -84,11 +82,22 @@ def test_golden_bytes(name):
 
 
 def test_golden_decodes_back_equal():
-    assert decode_rollout((GOLDEN / "rollout_v2.msgpack").read_bytes()) == fixed_group()
-    scored = decode_scored((GOLDEN / "scored_v2.msgpack").read_bytes())
+    assert decode_rollout((GOLDEN / "rollout_v3.msgpack").read_bytes()) == fixed_group()
+    scored = decode_scored((GOLDEN / "scored_v3.msgpack").read_bytes())
     assert scored == fixed_scored()
-    assert scored != ScoredGroup(fixed_group(), f32(1, 1), f32(0, 0))  # equality is not vacuous
+    assert scored != ScoredGroup(fixed_group(), f32(1, 1))  # equality is not vacuous
     assert not scored.rewards.flags.writeable  # a zero-copy view over the received bytes
+
+
+def test_version_2_messages_still_decode_and_their_advantages_are_ignored():
+    """A reward stage started before an upgrade sends v2 (with advantages) while the run goes on; the
+    trainer computes its own advantages, so the group is the same one."""
+    assert decode_rollout((GOLDEN / "rollout_v2.msgpack").read_bytes()) == fixed_group()
+    v2 = (GOLDEN / "scored_v2.msgpack").read_bytes()
+    assert "advantages" in msgpack.unpackb(v2) and decode_scored(v2) == fixed_scored()
+    assert msgpack.packb(hand_built_map("scored", version=2)) == v2
+    with pytest.raises(WireError, match=r"v: unknown schema version 4 \(known: \[2, 3\]\)"):
+        decode_scored(msgpack.packb({**hand_built_map("scored"), "v": 4}))
 
 
 def test_versions_that_go_down_travel_and_count_from_their_oldest():
@@ -108,9 +117,10 @@ def le_bytes(fmt: str, *values) -> bytes:
     return struct.pack(f"<{len(values)}{fmt}", *values)
 
 
-def hand_built_map(kind: str) -> dict:
-    """The golden group laid out by hand from the schema in nano_miles/wire/data.py (key order as sent)."""
-    m = {"v": 2, "kind": kind, "run_id": "3f9a2c71d0be", "group_id": "e2-i123", "attempt": 1,
+def hand_built_map(kind: str, version: int = 3) -> dict:
+    """The golden group laid out by hand from the schema in nano_miles/wire/data.py (key order as sent);
+    `version` 2: the previous layout, whose scored groups carried advantages."""
+    m = {"v": version, "kind": kind, "run_id": "3f9a2c71d0be", "group_id": "e2-i123", "attempt": 1,
          "prompt_tokens": le_bytes("i", 1, 17, 4099),
          "samples": [{"response_tokens": le_bytes("i", 5, 6, 7, 2),
                       "logprobs": le_bytes("f", -0.5, -1.25, -0.0, -3.0),
@@ -120,21 +130,23 @@ def hand_built_map(kind: str) -> dict:
          "metadata": {"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False},
          "timestamps": {"rollout": 1767225600.25, "reward": 1767225601.5}}
     if kind == "scored":
-        a = 0.5 / (0.5 + 1e-6)  # rewards [1, 0]: (r - 0.5) / (population std 0.5 + eps 1e-6)
-        m.update(rewards=le_bytes("f", 1.0, 0.0), advantages=le_bytes("f", a, -a),
-                 reward_parts={"format": le_bytes("f", 1.0, 1.0), "accuracy": le_bytes("f", 1.0, 0.0)})
+        m["rewards"] = le_bytes("f", 1.0, 0.0)
+        if version == 2:
+            a = 0.5 / (0.5 + 1e-6)  # rewards [1, 0]: (r - 0.5) / (population std 0.5 + eps 1e-6)
+            m["advantages"] = le_bytes("f", a, -a)
+        m["reward_parts"] = {"format": le_bytes("f", 1.0, 1.0), "accuracy": le_bytes("f", 1.0, 0.0)}
     return m
 
 
 def test_hand_built_bytes_decode_field_by_field_and_are_the_golden_files():
     """An independent check of the golden files: bytes packed here without the project's encoder."""
     for kind in ("rollout", "scored"):
-        assert msgpack.packb(hand_built_map(kind)) == (GOLDEN / f"{kind}_v2.msgpack").read_bytes(), kind
+        assert msgpack.packb(hand_built_map(kind)) == (GOLDEN / f"{kind}_v3.msgpack").read_bytes(), kind
     data = msgpack.packb(hand_built_map("scored"))
     scored = decode_scored(data)
     g = scored.group
     assert (g.group_id, g.run_id, g.attempt) == ("e2-i123", "3f9a2c71d0be", 1)
-    arrays = [g.prompt_tokens, scored.rewards, scored.advantages, *scored.reward_parts.values()]
+    arrays = [g.prompt_tokens, scored.rewards, *scored.reward_parts.values()]
     for s in g.samples:
         arrays += [s.response_tokens, s.logprobs, s.versions]
     assert all(a.dtype.str in ("<i4", "<f4") for a in arrays)
@@ -145,19 +157,9 @@ def test_hand_built_bytes_decode_field_by_field_and_are_the_golden_files():
     assert [s.finish_reason for s in g.samples] == ["stop", "length"]
     assert g.metadata == {"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False}
     assert g.timestamps == {"rollout": 1767225600.25, "reward": 1767225601.5}
-    a = struct.unpack("<f", struct.pack("<f", 0.5 / (0.5 + 1e-6)))[0]  # the float32 nearest 0.999998
-    assert scored.rewards.tolist() == [1.0, 0.0] and scored.advantages.tolist() == [a, -a]
+    assert scored.rewards.tolist() == [1.0, 0.0]
     parts = {k: v.tolist() for k, v in scored.reward_parts.items()}
     assert parts == {"format": [1.0, 1.0], "accuracy": [1.0, 0.0]}
-
-
-def test_fixture_advantages_are_what_the_reward_stage_computes():
-    import torch
-
-    from nano_miles.algo.grpo import group_advantages
-    fixture = fixed_scored()
-    computed = group_advantages(torch.from_numpy(fixture.rewards)[None, :])[0].numpy()
-    assert np.array_equal(computed, fixture.advantages)
 
 
 def test_group_properties_and_ids():
@@ -219,7 +221,7 @@ def s0(m):
 ROLLOUT_CASES = [
     # (what, mutation of the raw map, text the error must contain)
     ("missing kind", lambda m: m.pop("kind"), "kind: missing"),
-    ("unknown version", lambda m: m.update(v=1), r"v: unknown schema version 1 \(known: \[2\]\)"),
+    ("unknown version", lambda m: m.update(v=1), r"v: unknown schema version 1 \(known: \[2, 3\]\)"),
     ("missing run id", lambda m: m.pop("run_id"), "run_id: missing"),
     ("empty run id", lambda m: m.update(run_id=""), "run_id: expected a string of 1..128 chars"),
     ("missing version", lambda m: m.pop("v"), "v: unknown schema version None"),
@@ -267,7 +269,7 @@ def test_rollout_validation(mutate, match):
 SCORED_CASES = [
     ("rollout kind", lambda m: m.update(kind="rollout"), "kind: expected 'scored', got 'rollout'"),
     ("rewards length", lambda m: m.update(rewards=f32(1, 2, 3).tobytes()), "rewards: length 3 != samples length 2"),
-    ("advantages nan", lambda m: m.update(advantages=f32(0, np.inf).tobytes()), "advantages: non-finite value inf"),
+    ("rewards inf", lambda m: m.update(rewards=f32(0, np.inf).tobytes()), "rewards: non-finite value inf"),
     ("part length", lambda m: m["reward_parts"].update(format=f32(1).tobytes()),
      "reward_parts.format: length 1 != samples length 2"),
     ("part ragged", lambda m: m["reward_parts"].update(format=b"\x00" * 7), "reward_parts.format: 7 bytes"),

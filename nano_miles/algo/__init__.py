@@ -1,2 +1,3 @@
-"""The algorithm as pure math, tensors in and tensors out: GRPO advantages, TITO batches, token
-log-probs (`grpo.py`) and the dual-clip PPO loss (`loss.py`). No sockets, no HTTP, no processes."""
+"""The algorithm as pure math, tensors in and tensors out: advantage estimators (`advantages.py`), TITO
+batches and token log-probs (`grpo.py`), the policy losses (`loss.py`) and the admission rules
+(`admission.py`). No sockets, no HTTP, no processes."""

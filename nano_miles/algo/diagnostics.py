@@ -17,13 +17,16 @@ from dataclasses import MISSING, dataclass, field
 
 import numpy as np
 
+from nano_miles.algo.advantages import has_signal
 
-def diagnostic(help: str, *, prom: str | None = None, scale: float = 1.0, line=None, default=MISSING,
+
+def diagnostic(help: str, *, prom: str | None = None, scale: float = 1.0, line=None, reduce=None, default=MISSING,
                default_factory=MISSING):
     """A diagnostic field. `prom`: its gauge's name (None: not exported); `line`: a format with one
-    {} for the value, or a function value -> text or None (the step line leaves out None values)."""
+    {} for the value, or a function value -> text or None (the step line leaves out None values);
+    `reduce`: how batches combine (e.g. max), instead of a token-weighted mean."""
     return field(default=default, default_factory=default_factory,
-                 metadata={"help": help, "prom": prom, "scale": scale, "line": line})
+                 metadata={"help": help, "prom": prom, "scale": scale, "line": line, "reduce": reduce})
 
 
 def declared(cls) -> list[dataclasses.Field]:
@@ -57,27 +60,42 @@ def shown(f: dataclasses.Field, value) -> str | None:
 
 @dataclass
 class LossDiagnostics:
-    """What the policy loss measures, as token means over the response tokens it saw."""
+    """What the policy loss measures, as token means over the response tokens it saw (`ratio_max`: the max)."""
 
     clip_fraction: float = diagnostic("Share of response tokens where the clipped term was taken, last step",
-                                      prom="nanomiles_clip_fraction", line="clip {:.3f}")
-    dual_clip_fraction: float = diagnostic("Share of response tokens capped by the dual clip, last step")
+                                      prom="nanomiles_clip_fraction", line="clip {:.3f}", default=0.0)
+    clip_low_fraction: float | None = diagnostic("Share of response tokens clipped at the ratio floor 1 - eps_clip "
+                                                 "(A < 0), last step", prom="nanomiles_clip_low_ratio",
+                                                 default=None)
+    clip_high_fraction: float | None = diagnostic("Share of response tokens clipped at the ratio ceiling "
+                                                  "1 + eps_clip_high (A > 0; cispo: weights truncated), last step",
+                                                  prom="nanomiles_clip_high_ratio", default=None)
+    dual_clip_fraction: float = diagnostic("Share of response tokens capped by the dual clip, last step", default=0.0)
+    ratio_mean: float | None = diagnostic("Mean importance ratio pi_theta / pi_old per response token, last step",
+                                          prom="nanomiles_importance_ratio_mean", default=None)
+    ratio_max: float | None = diagnostic("Largest importance ratio of a response token, last step",
+                                         prom="nanomiles_importance_ratio_max", reduce=max, default=None)
     parity: float = diagnostic("Mean |log pi_trainer - log pi_engine| per response token before the step",
-                               prom="nanomiles_logprob_parity", line="parity {:.1e}")
+                               prom="nanomiles_logprob_parity", line="parity {:.1e}", default=0.0)
     entropy: float | None = diagnostic("Mean policy entropy per response token (nats), last step",
                                        prom="nanomiles_entropy_mean", line="ent {:.3f}", default=None)
-    kl: float | None = diagnostic("Mean k3 KL to the starting policy per response token, last step "
+    kl: float | None = diagnostic("Mean KL estimate to the starting policy per response token, last step "
                                   "(trainer.kl_coef > 0)", prom="nanomiles_kl_mean", line="kl {:.4f}", default=None)
 
     @classmethod
     def token_mean(cls, parts: list[tuple[LossDiagnostics, int]]) -> LossDiagnostics:
         """The means over several batches of (diagnostics, response tokens): each field weighted by
-        its batch's tokens; a field no batch measured stays None."""
+        its batch's tokens, or reduced by its own `reduce` (e.g. max); a field no batch measured stays None."""
         total = max(1, sum(n for _, n in parts))
         means = {}
         for f in dataclasses.fields(cls):
             measured = [(getattr(d, f.name), n) for d, n in parts if getattr(d, f.name) is not None]
-            means[f.name] = sum(v * n for v, n in measured) / total if measured else None
+            if not measured:
+                means[f.name] = None
+            elif f.metadata.get("reduce"):
+                means[f.name] = f.metadata["reduce"](v for v, _ in measured)
+            else:
+                means[f.name] = sum(v * n for v, n in measured) / total
         return cls(**means)
 
 
@@ -94,6 +112,16 @@ class LearnResult:
     num_tokens: int = diagnostic("Response tokens trained in the last step", default=0)
     num_micro_batches: int = diagnostic("Micro-batches of the last step", prom="nanomiles_micro_batches",
                                         line=lambda n: f"micro-batches {n}" if n > 1 else None, default=1)
+    num_optimizer_steps: int = diagnostic("Optimizer steps the last step took (num_iterations x mini_batches, "
+                                          "less the skipped)", line=lambda n: f"opt-steps {n}" if n != 1 else None,
+                                          default=1)
+    num_skipped_steps: int = diagnostic("Optimizer steps of the last step skipped for a gradient norm that was "
+                                        "not finite", line=lambda n: f"SKIPPED {n}" if n else None, default=0)
+    dropped_samples: dict = diagnostic("Samples of the last step that trained no token, by reason (truncated, "
+                                       "nonfinite_logprob, impossible_logprob)",
+                                       line=lambda d: f"untrained {d}" if d else None, default_factory=dict)
+    kl_old: list = diagnostic("KL(pi_old || pi) per response token after each pass (num_iterations > 1)",
+                              line=lambda v: f"kl-old {v[-1]:.2e}" if v else None, default_factory=list)
     peak_memory_mb: float = diagnostic("CUDA max allocated in the last step, or the process's peak RSS on CPU",
                                        prom="nanomiles_peak_memory_bytes", scale=2**20, default=0.0)
     train_tokens_per_s: float = diagnostic("Prompt + response tokens through forward and backward per second, "
@@ -129,15 +157,30 @@ class StepStats:
     version_oldest: int = diagnostic("Oldest weight version a trained token came from", default=0)
     num_samples: int = diagnostic("Samples trained in the last step", default=0)
     reward_parts: dict = diagnostic("Mean of every other reward part (e.g. math/accuracy)", default_factory=dict)
+    response_length_mean: float = diagnostic("Mean response length of the last batch (tokens)",
+                                             prom="nanomiles_response_length_mean", line="len {:.1f}", default=0.0)
+    response_length_min: int = diagnostic("Shortest response of the last batch (tokens)", default=0)
+    response_length_max: int = diagnostic("Longest response of the last batch (tokens)", default=0)
+    truncated_fraction: float = diagnostic("Share of the last batch's responses cut at max_new_tokens",
+                                           prom="nanomiles_truncated_ratio", line=share("trunc"), default=0.0)
+    zero_std_fraction: float = diagnostic("Share of the last batch's groups whose rewards are all equal (no signal)",
+                                          prom="nanomiles_zero_std_groups_ratio", line=share("zero-std"),
+                                          default=0.0)
+    advantage_mean: float = diagnostic("Mean advantage of the last batch's samples", default=0.0)
+    advantage_std: float = diagnostic("Std of the last batch's advantages", prom="nanomiles_advantage_std",
+                                      default=0.0)
 
     @classmethod
-    def from_groups(cls, groups, step: int, learned) -> "StepStats":
-        """The step's statistics from its groups (`wire.data.ScoredGroup`s) and what the optimizer step did."""
+    def from_groups(cls, groups, step: int, learned, advantages) -> "StepStats":
+        """The step's statistics from its groups (`wire.data.ScoredGroup`s), what the optimizer steps did and
+        the samples' advantages (in the groups' order)."""
         rewards = np.concatenate([g.rewards for g in groups])
         names = sorted({k for g in groups for k in g.reward_parts})
         parts = {k: float(np.concatenate([g.reward_parts.get(k, np.zeros(len(g.rewards))) for g in groups]).mean())
                  for k in names}
-        oldest = np.array([s.oldest_version for g in groups for s in g.group.samples])
+        samples = [s for g in groups for s in g.group.samples]
+        oldest = np.array([s.oldest_version for s in samples])
+        lengths = np.array([len(s.response_tokens) for s in samples])
         staleness = (step - 1) - oldest
         values, counts = np.unique(staleness, return_counts=True)
         return cls(reward=float(rewards.mean()), format=parts.pop("format", None),
@@ -145,7 +188,12 @@ class StepStats:
                    staleness_min=int(staleness.min()), staleness_max=int(staleness.max()),
                    staleness_mean=float(staleness.mean()),
                    staleness_hist={str(int(v)): int(c) for v, c in zip(values, counts)},
-                   version_oldest=int(oldest.min()), num_samples=len(rewards))
+                   version_oldest=int(oldest.min()), num_samples=len(rewards),
+                   response_length_mean=float(lengths.mean()), response_length_min=int(lengths.min()),
+                   response_length_max=int(lengths.max()),
+                   truncated_fraction=float(np.mean([s.finish_reason == "length" for s in samples])),
+                   zero_std_fraction=float(np.mean([not has_signal(g.rewards) for g in groups])),
+                   advantage_mean=float(np.mean(advantages)), advantage_std=float(np.std(advantages)))
 
     def as_dict(self) -> dict:
         return flatten(self)

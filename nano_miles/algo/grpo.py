@@ -1,4 +1,4 @@
-"""GRPO's data side: group-relative advantages, token-in-token-out batch assembly, policy logprobs.
+"""GRPO's data side: token-in-token-out batch assembly, micro-batches, policy logprobs.
 
 Library module; `tests/test_grpo.py` pins every contract below.
 
@@ -16,24 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.utils.checkpoint
-
-ZERO_STD = 1e-7  # a group whose reward std is below this carries no signal: its advantages are 0
-
-
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(num_groups, G) rewards -> (num_groups, G) advantages, whitened inside each group.
-
-    A_i = (R_i - mean) / (std + eps), with the population std (a 1-sample group has std 0), and
-    A_i = 0 exactly when std < ZERO_STD: all-equal groups must not amplify float noise into signal.
-    """
-    if rewards.ndim != 2 or rewards.shape[1] < 1:
-        raise ValueError(f"rewards must be (num_groups, G>=1), got {tuple(rewards.shape)}")
-    rewards = rewards.to(torch.float64)  # whiten in double: tiny spreads stay exact
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)
-    adv = (rewards - mean) / (std + eps)
-    return torch.where(std < ZERO_STD, torch.zeros_like(adv), adv).to(torch.float32)
-
 
 @dataclass
 class TokenBatch:
@@ -118,28 +100,32 @@ LOGIT_CHUNK_ELEMENTS = 1 << 26
 
 
 def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: float, softcap: float | None,
-                  entropy: list | None) -> torch.Tensor:
-    """Log-probs of `targets` from one chunk of final hidden states; the chunk's entropy is appended to
+                  entropy: list | None, entropy_grad: bool = False):
+    """Log-probs of `targets` from one chunk of final hidden states. The chunk's entropy is appended to
     `entropy` on the first call only (under activation checkpointing this runs again in the backward
-    pass, where nothing but the saved tensors is wanted)."""
+    pass, where nothing but the saved tensors is wanted); with `entropy_grad` it is returned beside the
+    log-probs instead, with its gradient (an entropy bonus in the loss)."""
     logits = head(hidden).float()
     if softcap:  # Gemma-style final soft-capping, which the model's own forward applies
         logits = torch.tanh(logits / softcap) * softcap
     if scale != 1.0:  # dividing by exactly 1 is the identity: skip the pass over the vocabulary
         logits = logits / scale
     logp_all = torch.log_softmax(logits, dim=-1)
+    picked = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if entropy_grad:
+        return picked, -(logp_all.exp() * logp_all).sum(-1)
     if entropy is not None and not entropy:
         with torch.no_grad():  # a diagnostic: nothing is kept for the backward pass
             entropy.append(-(logp_all.exp() * logp_all).sum(-1))
-    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked
 
 
 def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float = 1.0, positions: torch.Tensor | None = None,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t) or None without `with_entropy`)
     at every position, in fp32, as the engine computes them; 0 off `positions` (a (B, T-1) bool mask;
-    None = everywhere).
+    None = everywhere). With `entropy_grad` the entropy carries its gradient (else it is a diagnostic).
 
     The engine reports log_softmax(logits / T) of the un-truncated distribution (T < 1e-6 means greedy,
     reported at T = 1), so the trainer divides by the same T before the softmax.
@@ -163,16 +149,20 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
     recompute = torch.is_grad_enabled() and len(rows) > chunk
     logps, entropies = [], []
     for start in range(0, len(rows), chunk):
-        entropy = [] if with_entropy else None
-        args = (head, rows[start:start + chunk], wanted[start:start + chunk], scale, softcap, entropy)
-        logps.append(torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
-                     if recompute else _chunk_scores(*args))
+        entropy = [] if with_entropy and not entropy_grad else None
+        args = (head, rows[start:start + chunk], wanted[start:start + chunk], scale, softcap, entropy, entropy_grad)
+        out = (torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
+               if recompute else _chunk_scores(*args))
+        if entropy_grad:
+            out, chunk_entropy = out
+            entropy = [chunk_entropy]
+        logps.append(out)
         entropies += entropy or []
 
     def spread(values: list[torch.Tensor]) -> torch.Tensor:  # back to (B, T-1), 0 off `positions`
         out = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
         return out.masked_scatter(positions, torch.cat(values)) if values else out
-    return spread(logps), spread(entropies) if with_entropy else None
+    return spread(logps), spread(entropies) if with_entropy or entropy_grad else None
 
 
 def token_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,

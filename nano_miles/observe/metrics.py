@@ -146,6 +146,8 @@ class TrainerMetrics(StageMetrics):
         self.update_seconds = Summary("nanomiles_weight_update_seconds", "Weight update time by part", ["part"],
                                       registry=r)
         self.trained_tokens = Counter("nanomiles_trained_tokens", "Response tokens trained on", registry=r)
+        self.skipped_steps = Counter("nanomiles_skipped_optimizer_steps", "Optimizer steps skipped for a gradient "
+                                     "norm that was not finite", registry=r)
         # the step's diagnostics that name a gauge (nano_miles/algo/diagnostics.py): field -> (gauge, scale)
         self.diagnostics = {f.name: (Gauge(f.metadata["prom"], f.metadata["help"], registry=r), f.metadata["scale"])
                             for f in declared(StepStats) if f.metadata["prom"]}
@@ -173,6 +175,7 @@ class TrainerMetrics(StageMetrics):
         self.step_seconds.observe(record.step_s)
         stats = record.stats.as_dict()
         self.trained_tokens.inc(stats["num_tokens"])
+        self.skipped_steps.inc(stats["num_skipped_steps"])
         for name, (gauge, scale) in self.diagnostics.items():
             if stats[name] is not None:  # e.g. a reward function without an accuracy part
                 gauge.set(stats[name] * scale)

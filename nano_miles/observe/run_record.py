@@ -183,7 +183,7 @@ def summarize(steps: list[dict], evals: list[dict]) -> dict:
     }
 
 
-def rollout_line(step: int, scored) -> dict:
+def rollout_line(step: int, scored, advantages) -> dict:
     """One trained group as rollouts.jsonl keeps it: the ids the trainer saw, their rewards and
     advantages, and the behaviour logprobs, for inspecting a run and comparing two runs token by token."""
     group = scored.group
@@ -192,23 +192,23 @@ def rollout_line(step: int, scored) -> dict:
             "samples": [{"response_ids": s.response_tokens.tolist(), "logprobs": s.logprobs.tolist(),
                          "versions": s.versions.tolist(), "finish_reason": s.finish_reason,
                          "reward": float(r), "advantage": float(a)}
-                        for s, r, a in zip(group.samples, scored.rewards, scored.advantages)]}
+                        for s, r, a in zip(group.samples, scored.rewards, advantages)]}
 
 
-def sample_lines(step: int, scored, decode, num: int) -> list[dict]:
+def sample_lines(step: int, scored, advantages, decode, num: int) -> list[dict]:
     """The first `num` samples of a step's groups, one per group in turn, as text: the prompt exactly
     as sent (template and special tokens included), the response as generated (stop token included)."""
-    picked = [(g, i) for i in range(max((len(g.group.samples) for g in scored), default=0))
-              for g in scored if i < len(g.group.samples)][:num]
+    picked = [(g, a, i) for i in range(max((len(g.group.samples) for g in scored), default=0))
+              for g, a in zip(scored, advantages) if i < len(g.group.samples)][:num]
     lines = []
-    for g, i in picked:
+    for g, a, i in picked:
         sample = g.group.samples[i]
         lines.append({"step": step, "group_id": g.group.group_id, "sample": i,
                       "version": int(sample.versions.min()) if len(sample.versions) else None,
                       "label": g.group.metadata.get("label"), "prompt": decode(g.group.prompt_tokens),
                       "response": decode(sample.response_tokens), "num_prompt_tokens": len(g.group.prompt_tokens),
                       "num_response_tokens": len(sample.response_tokens), "finish_reason": sample.finish_reason,
-                      "reward": float(g.rewards[i]), "advantage": float(g.advantages[i]),
+                      "reward": float(g.rewards[i]), "advantage": float(a[i]),
                       "reward_parts": {k: float(v[i]) for k, v in sorted(g.reward_parts.items())}})
     return lines
 
@@ -240,15 +240,16 @@ class RunRecord:
         for sink in self.sinks:
             sink.log(record.step, values)
 
-    def write_rollouts(self, step: int, groups) -> None:
+    def write_rollouts(self, step: int, groups, advantages) -> None:
+        """`advantages`: one array per group, as the trainer computed them."""
         if self.rollouts_path is not None:
             with self.rollouts_path.open("a") as f:
-                f.writelines(json.dumps(rollout_line(step, g)) + "\n" for g in groups)
+                f.writelines(json.dumps(rollout_line(step, g, a)) + "\n" for g, a in zip(groups, advantages))
 
-    def write_samples(self, step: int, groups) -> None:
+    def write_samples(self, step: int, groups, advantages) -> None:
         if self.num_samples > 0:
             with self.samples_path.open("a") as f:
-                f.writelines(json.dumps(line) + "\n" for line in sample_lines(step, groups, self.decode,
+                f.writelines(json.dumps(line) + "\n" for line in sample_lines(step, groups, advantages, self.decode,
                                                                               self.num_samples))
 
     def steps(self, last_step: int) -> list[dict]:

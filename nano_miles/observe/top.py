@@ -103,7 +103,7 @@ class View:
         lines += ["", f"{'hop':<20}{'depth':>6}  history (groups waiting)"]
         for hop, depth in depths.items():
             lines.append(f"{hop:<20}{fmt(depth):>6}  {sparkline(self.history[hop])}")
-        lines += ["", *self.rates(snaps), "", self.step_line()]
+        lines += ["", *self.rates(snaps), "", self.step_line(), self.algorithm_line()]
         self.previous = snaps
         return "\n".join(lines)
 
@@ -135,6 +135,25 @@ class View:
         acc = "" if r.get("accuracy") is None else f"acc {100 * r['accuracy']:.1f}% | "
         return (f"last step {r['step']} (version {r['version']}): reward {r['reward']:.3f} | "
                 f"{acc}step {r['step_s']:.2f}s | {phases}")
+
+
+    def algorithm_line(self) -> str:
+        """What the last step's batch and loss looked like (lengths, signal, advantages, ratios, clipping)."""
+        r = last_step(self.run_dir)
+        if r is None or "response_length_mean" not in r:
+            return ""
+        parts = [f"len {r['response_length_mean']:.1f} [{r['response_length_min']}-{r['response_length_max']}]",
+                 f"trunc {100 * r['truncated_fraction']:.0f}%", f"zero-std {100 * r['zero_std_fraction']:.0f}%",
+                 f"adv {r['advantage_mean']:+.2f}±{r['advantage_std']:.2f}"]
+        if r.get("ratio_mean") is not None:
+            parts.append(f"ratio {r['ratio_mean']:.3f} (max {r['ratio_max']:.2f})")
+        if r.get("clip_low_fraction") is not None:
+            parts.append(f"clip low {100 * r['clip_low_fraction']:.1f}% high {100 * r['clip_high_fraction']:.1f}%")
+        if r.get("kl_old"):
+            parts.append(f"kl(old||new) {r['kl_old'][-1]:.2e}")
+        if r.get("num_skipped_steps"):
+            parts.append(f"SKIPPED {r['num_skipped_steps']}")
+        return "batch: " + " | ".join(parts)
 
 
 def positive_seconds(text: str) -> float:

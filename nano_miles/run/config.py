@@ -40,6 +40,12 @@ DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name s
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
 TRAIN_DTYPES = ("float32", "bfloat16")  # the trainer's compute dtype; weights stay fp32 either way
 LR_SCHEDULES = ("constant", "cosine")
+# the names nano_miles/algo picks its functions by (tests/test_config.py holds them equal; the config
+# needs no torch, so it keeps its own copy)
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+REWARD_SCALES = ("group", "batch", "none")
+LOSSES = ("dapo", "grpo", "dr_grpo", "gspo", "gspo_token", "cispo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 MAX_REPLICAS = 4  # engine slots in supervisord.conf (engine + [program:replica] numprocs); unused slots exit
 
 
@@ -195,7 +201,17 @@ class TrainerConfig(Section):
     dual_clip_c: float = checked(3.0, above(1))       # for A < 0 the per-token loss is capped at -c * A
     recompute_old_logprobs: bool = checked(False, BOOL)  # pi_old from the trainer (+ truncated IS to the engine's)
     tis_clip: float = checked(2.0, above(0))          # truncation of the importance weight pi_old / pi_engine
-    kl_coef: float = checked(0.0, at_least(0))        # > 0: k3 KL penalty to the starting policy (kept in bf16)
+    advantage: str = checked("grpo", one_of(*ADVANTAGES))  # the estimator (nano_miles/algo/advantages.py)
+    scale_rewards: str = checked("group", one_of(*REWARD_SCALES))  # grpo: divide by the group's std, the
+                                                      # step's, or nothing (none: Dr. GRPO)
+    loss: str = checked("dapo", one_of(*LOSSES))      # the policy loss (nano_miles/algo/loss.py)
+    num_iterations: int = checked(1, at_least(1))     # passes over a step's samples (pi_old fixed before the first)
+    mini_batches: int = checked(1, at_least(1))       # optimizer steps per pass, each on its share of the samples
+    mask_truncated: bool = checked(False, BOOL)       # a response cut at max_new_tokens trains no token (DAPO)
+    entropy_coef: float = checked(0.0, at_least(0))   # entropy bonus in the loss
+    kl_coef: float = checked(0.0, at_least(0))        # > 0: KL penalty to the starting policy (kept in bf16)
+    kl_estimator: str = checked("k3", one_of(*KL_ESTIMATORS))  # per-token estimate of KL(pi || pi_ref)
+    kl_in: str = checked("loss", one_of("loss", "reward"))  # the penalty in the loss, or off each sample's reward
     skip_zero_variance: bool = checked(False, BOOL)   # consume groups whose rewards are all equal without
                                                       # training them; the step waits for batch_groups with signal
     micro_batch_tokens: int = checked(0, at_least(0))  # forward/backward in micro-batches of at most this many
@@ -222,6 +238,12 @@ class TrainerConfig(Section):
         if self.lr_min > self.lr:
             raise ConfigError(f"trainer.lr_min ({self.lr_min:g}) is above trainer.lr ({self.lr:g}): the cosine "
                               "schedule decays from lr down to lr_min")
+        if self.scale_rewards != "group" and self.advantage != "grpo":
+            raise ConfigError(f"trainer.scale_rewards={self.scale_rewards} is the grpo estimator's option; "
+                              f"trainer.advantage={self.advantage} scales its own way: leave it at group")
+        if not self.kl_coef and (self.kl_in != "loss" or self.kl_estimator != "k3"):
+            raise ConfigError("trainer.kl_in and trainer.kl_estimator shape the KL penalty, which is off at "
+                              "trainer.kl_coef = 0: set kl_coef > 0, or leave them")
 
 
 @dataclass
@@ -268,6 +290,10 @@ class Config:
         if 0 < self.run.hang_timeout_s <= blocked_s:
             raise ConfigError(f"run.hang_timeout_s must be 0 (off) or above trainer.control_timeout_s x "
                               f"trainer.control_retries = {blocked_s:g} s, not {self.run.hang_timeout_s:g}")
+        num_samples = self.trainer.batch_groups * self.rollout.group_size
+        if self.trainer.mini_batches > num_samples:
+            raise ConfigError(f"trainer.mini_batches ({self.trainer.mini_batches}) is more than a step's "
+                              f"{num_samples} samples (trainer.batch_groups x rollout.group_size)")
 
     @property
     def run_dir(self) -> Path:

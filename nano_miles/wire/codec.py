@@ -13,8 +13,8 @@ import re
 
 import msgpack
 
-SCHEMA_VERSION = 2            # 2: every group carries its run's id
-KNOWN_SCHEMA_VERSIONS = (2,)
+SCHEMA_VERSION = 3            # 2: every group carries its run's id; 3: scored groups carry no advantages
+KNOWN_SCHEMA_VERSIONS = (2, 3)  # a v2 message decodes as v3: its advantages are an unknown key now
 
 # Limits. The byte limit is checked before unpacking; the others also bound what msgpack allocates.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

@@ -5,8 +5,7 @@ shared framing and group ids: codec.py.
 
 Layout. One message is one msgpack map with the schema version `v` and a `kind` ("rollout" or
 "scored"); a scored message is the rollout map plus the scored fields. Token ids travel as raw
-little-endian int32 bytes and logprobs/rewards/advantages as little-endian float32 bytes, never as
-lists; decoded arrays are read-only numpy views over the unpacked bytes (no copy). Nothing is pickled.
+little-endian int32 bytes and logprobs/rewards as little-endian float32 bytes, never as lists; decoded arrays are read-only numpy views over the unpacked bytes (no copy). Nothing is pickled.
 
 Trust boundary. The decoders check everything and raise only `WireError`, whose text starts with the
 offending field (`samples[3].logprobs: length 17 != response_tokens length 18`). The encoders run the
@@ -14,6 +13,12 @@ same checks, so a bad group fails loudly where it was built, not one hop later.
 
 Forward compatibility. Unknown keys in any map are ignored, so a newer sender may add a field without
 breaking older receivers; changing or removing the meaning of a field needs a new `v`.
+
+Versions. v3 (sent now): a scored group carries rewards and reward parts, no advantages: the trainer
+computes them over its step (`nano_miles/algo/advantages.py`), so an estimator that looks at the whole
+batch needs no change here. v2 (still decoded): the same layout plus `advantages`, which a reward stage
+started before an upgrade may still send while the run goes on; the decoder ignores that key, as any
+unknown one. The rollout layout is the same in both.
 """
 
 from __future__ import annotations
@@ -101,18 +106,16 @@ class RolloutGroup:
 
 @dataclass(eq=False)
 class ScoredGroup:
-    """A rollout group with one reward and one advantage per sample (all arrays length G)."""
+    """A rollout group with one reward per sample (all arrays length G); the trainer makes advantages."""
 
     group: RolloutGroup
     rewards: np.ndarray     # float32 (G,): total reward of each sample, finite
-    advantages: np.ndarray  # float32 (G,): group-relative advantage of each sample, finite
     reward_parts: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32 (G,), finite
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ScoredGroup):
             return NotImplemented
         return (self.group == other.group and _same(self.rewards, other.rewards)
-                and _same(self.advantages, other.advantages)
                 and self.reward_parts.keys() == other.reward_parts.keys()
                 and all(_same(a, other.reward_parts[k]) for k, a in self.reward_parts.items()))
 
@@ -174,7 +177,6 @@ def validate_scored(scored: ScoredGroup) -> None:
     validate_rollout(scored.group)
     num_samples = len(scored.group.samples)
     _check_floats(scored.rewards, "rewards", num_samples, "samples")
-    _check_floats(scored.advantages, "advantages", num_samples, "samples")
     _check_map(scored.reward_parts, "reward_parts", ())
     for name, part in scored.reward_parts.items():
         _check_floats(part, f"reward_parts.{name}", num_samples, "samples")
@@ -288,7 +290,6 @@ def encode_scored(scored: ScoredGroup) -> bytes:
     validate_scored(scored)
     m = _rollout_map(scored.group, "scored")
     m["rewards"] = _bin(scored.rewards, FLOAT_DTYPE)
-    m["advantages"] = _bin(scored.advantages, FLOAT_DTYPE)
     m["reward_parts"] = {k: _bin(a, FLOAT_DTYPE) for k, a in scored.reward_parts.items()}
     return _pack(m)
 
@@ -333,7 +334,6 @@ def decode_scored(data: bytes | bytearray | memoryview) -> ScoredGroup:
     parts = get(m, "reward_parts", dict, "")
     _check_map(parts, "reward_parts", ())  # keys are strings before they name errors below
     scored = ScoredGroup(_decode_group(m), _array(m, "rewards", FLOAT_DTYPE, ""),
-                         _array(m, "advantages", FLOAT_DTYPE, ""),
                          {k: _array(parts, k, FLOAT_DTYPE, "reward_parts.") for k in parts})
     validate_scored(scored)
     return scored

@@ -1,2 +1,2 @@
-"""The reward stage: scores each sample and computes group advantages (`scorer.py`); the reward
-function runs in a child process (`nano_miles/rewards/worker.py`)."""
+"""The reward stage: scores each sample of a group (`scorer.py`); the reward function runs in a child
+process (`nano_miles/rewards/worker.py`). Advantages are the trainer's (`nano_miles/algo/advantages.py`)."""

@@ -1,9 +1,10 @@
-"""The reward stage: scores every sample of a group, computes group advantages, forwards the group.
+"""The reward stage: scores every sample of a group and forwards the group with its rewards.
 
 Library module of `procs/reward.py`, the reward process supervisord starts.
 A group comes from `nano_miles/stages/rollout/producer.py`: `nano_miles/wire/data.py` decodes it,
-`nano_miles/rewards/worker.py` scores each sample, `nano_miles/algo/grpo.py` whitens the rewards into advantages; it goes
-on in `nano_miles/stages/trainer/step_loop.py`. Stateless: a restart loses nothing it owned; groups
+`nano_miles/rewards/worker.py` scores each sample; it goes on to `nano_miles/stages/trainer/step_loop.py`,
+which turns the rewards of a whole step into advantages. The stage scores, nothing more: an estimator
+that looks at the whole batch needs the trainer's view, and an algorithm change stays in one process. Stateless: a restart loses nothing it owned; groups
 caught in its buffers are re-issued upstream.
 
 The reward function runs in a child worker (`nano_miles/rewards/worker.py`) with `reward.timeout_s` per sample: a
@@ -19,10 +20,8 @@ import logging
 import time
 
 import numpy as np
-import torch
 import zmq
 
-from nano_miles.algo.grpo import group_advantages
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
@@ -38,7 +37,7 @@ LOG_EVERY_S = 10.0    # and says what it waits for this often
 
 
 def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None) -> ScoredGroup:
-    """Run the reward function on each decoded response; whiten rewards inside the group.
+    """Run the reward function on each decoded response.
 
     A sample that cannot be scored gets 0 in the reward and every part; `on_failure(index, failure)`
     is told about it."""
@@ -47,10 +46,9 @@ def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=No
                   None if on_failure is None else lambda failure, i=index: on_failure(i, failure))
             for index, sample in enumerate(group.samples)]
     part_names = sorted({k for out in outs for k in out if k != "reward"})
-    rewards_arr = np.asarray([out["reward"] for out in outs], np.float32)
-    advantages = group_advantages(torch.from_numpy(rewards_arr)[None, :])[0].numpy()
+    rewards = np.asarray([out["reward"] for out in outs], np.float32)
     parts = {k: np.asarray([out.get(k, 0.0) for out in outs], np.float32) for k in part_names}
-    return ScoredGroup(group, rewards_arr, advantages.astype(np.float32), parts)
+    return ScoredGroup(group, rewards, parts)
 
 
 class RewardStage:

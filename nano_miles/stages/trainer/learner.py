@@ -1,17 +1,28 @@
-"""One GRPO optimizer step over a step's samples, at any model size: the trainer's arithmetic.
+"""One trainer step over a rollout batch, at any model size: advantages, then the policy updates.
 
 Library module used by the trainer (`step_loop.py`); `tests/test_learner.py` pins its contracts.
 
-A step's samples are packed into micro-batches of at most `trainer.micro_batch_tokens` padded tokens
-(`grpo.micro_batches`); each micro-batch's loss is divided by the step's response-token count, its
-gradient accumulates, and the optimizer steps once: the same update as the whole batch at once. The
-behaviour log-probs (with `trainer.recompute_old_logprobs`) and the reference log-probs (with
-`trainer.kl_coef` > 0) are computed micro-batch by micro-batch too.
+A step, in order (`Learner.step`):
+1. The samples that may train: with `trainer.mask_truncated` a response cut at max_new_tokens trains
+   no token (DAPO's overlong filtering), and one whose engine log-probs no loss can use
+   (`loss.unusable_logprobs`) is left out by name; both still count in their group's advantages.
+2. pi_old, once, before any update: the engine's log-probs, or the trainer's own
+   (`trainer.recompute_old_logprobs`, with truncated importance weights towards the engine's), and the
+   reference's with a KL penalty; micro-batch by micro-batch (`trainer.micro_batch_tokens`).
+3. Advantages from the step's rewards, group by group (`nano_miles/algo/advantages.py`,
+   `trainer.advantage`); with `trainer.kl_in = "reward"` each sample's reward first loses
+   kl_coef x its summed KL to the reference.
+4. `trainer.num_iterations` passes over the samples, each in `trainer.mini_batches` optimizer steps on
+   consecutive shares of them. An optimizer step's loss (`nano_miles/algo/loss.py`, `trainer.loss`)
+   is divided by that optimizer step's totals (tokens, samples), micro-batch by micro-batch, so the
+   micro-batches' gradients add up to the whole share's. A step whose gradient norm is not finite is
+   skipped: counted, never applied. At 1 pass and 1 mini-batch this is one optimizer step on the
+   whole batch, the update this trainer always took.
+5. One learning-rate scheduler step: the schedule counts trainer steps (rollout batches), so do the
+   weight version and the staleness rules, however many optimizer steps a batch takes.
 
 Precision: weights and optimizer state stay fp32; `trainer.dtype = "bfloat16"` runs the forward and
-backward passes under autocast (the usual mixed precision), and log-softmax is always fp32
-(`grpo.token_scores`). The learning rate follows `lr_factor` (linear warm-up, then constant or cosine),
-one scheduler step per optimizer step; its state goes into every checkpoint with the optimizer's.
+backward passes under autocast, and log-softmax is always fp32 (`grpo.token_scores`).
 """
 
 from __future__ import annotations
@@ -21,17 +32,22 @@ import copy
 import math
 import resource
 import time
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from nano_miles.algo import advantages as estimators
 from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics
-from nano_miles.algo.grpo import assemble_batch, micro_batches, token_scores
-from nano_miles.algo.loss import LossConfig, ppo_loss, truncated_is_weights
+from nano_miles.algo.grpo import TokenBatch, assemble_batch, micro_batches, token_scores
+from nano_miles.algo.loss import LossConfig, StepTotals, kl_terms, policy_loss, truncated_is_weights, unusable_logprobs
+
+TRUNCATED = "truncated"  # why a sample trains no token: cut at max_new_tokens, with trainer.mask_truncated
 
 
 def lr_factor(step: int, warmup_steps: int, schedule: str, num_steps: int, min_ratio: float) -> float:
-    """The learning rate of optimizer step `step` (0-based) as a fraction of the peak: (step + 1) /
+    """The learning rate of trainer step `step` (0-based) as a fraction of the peak: (step + 1) /
     warmup_steps during warm-up, then 1 (constant) or a cosine from 1 down to `min_ratio` at the last step."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -44,12 +60,25 @@ def lr_factor(step: int, warmup_steps: int, schedule: str, num_steps: int, min_r
 
 @dataclass
 class TrainSample:
-    """One sample as the learner trains it (from a `wire.data.Sample` and its group's prompt and advantage)."""
+    """One sample as the learner trains it (from a `wire.data.Sample`, its group's prompt and its reward)."""
 
     prompt: object      # token ids, as the engine saw them
     response: object    # token ids, as the engine produced them
     logprobs: object    # the engine's log-probs of the response tokens
-    advantage: float
+    reward: float
+    group: int          # which of the step's groups it belongs to: advantages are taken per group
+    finish_reason: str = "stop"  # "length": cut at max_new_tokens
+
+
+@dataclass
+class Part:
+    """A micro-batch as every pass trains it, with what was fixed before the first update."""
+
+    rows: list[int]                  # its samples, as indices into the step's
+    batch: TokenBatch
+    old_logp: torch.Tensor           # pi_old: the engine's log-probs, or the trainer's recomputed ones
+    is_weights: torch.Tensor | None  # truncated pi_old / pi_engine (recomputed pi_old only)
+    ref_logp: torch.Tensor | None    # the reference policy's (a KL penalty only)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -58,8 +87,19 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def shares(rows: list[int], num: int) -> list[list[int]]:
+    """`rows` in `num` consecutive shares as equal as they can be (the first ones one longer); none empty."""
+    size, extra = divmod(len(rows), num)
+    out, start = [], 0
+    for k in range(num):
+        end = start + size + (k < extra)
+        out.append(rows[start:end])
+        start = end
+    return [s for s in out if s]
+
+
 class Learner:
-    def __init__(self, trainer_cfg, model, pad_id: int, temperature: float):
+    def __init__(self, trainer_cfg, model, pad_id: int, temperature: float, max_new_tokens: int = 0):
         t = self.cfg = trainer_cfg
         self.model, self.pad_id, self.temperature = model, pad_id, temperature
         self.device = next(model.parameters()).device
@@ -67,7 +107,11 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.lr_warmup_steps, t.lr_schedule, t.num_steps,
                                                    t.lr_min / t.lr if t.lr > 0 else 0.0))
-        self.loss_cfg = LossConfig(t.eps_clip, t.eps_clip_high, t.dual_clip_c)
+        self.kl_in_loss = t.kl_coef if t.kl_in == "loss" else 0.0
+        self.loss_cfg = LossConfig(name=t.loss, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
+                                   dual_clip_c=t.dual_clip_c, max_new_tokens=max_new_tokens,
+                                   kl_coef=self.kl_in_loss, kl_estimator=t.kl_estimator,
+                                   entropy_coef=t.entropy_coef)
         if t.gradient_checkpointing and hasattr(model, "activation_checkpointing_enable"):  # the newer name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         elif t.gradient_checkpointing:
@@ -91,54 +135,138 @@ class Learner:
         self.scheduler.load_state_dict(saved["lr_schedule"])
 
     # ------------------------------------------------------------------ the step
-    def step(self, samples: list[TrainSample]) -> LearnResult:
+    def step(self, samples: list[TrainSample]) -> tuple[LearnResult, np.ndarray]:
+        """Train on a rollout batch: (what the step did, each sample's advantage as float32)."""
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        rows, dropped = self.trainable(samples)
         lengths = [len(s.prompt) + len(s.response) - 1 for s in samples]
-        parts = [self.assemble([samples[i] for i in idx])
-                 for idx in micro_batches(lengths, self.cfg.micro_batch_tokens)]
-        num_step_tokens = sum(b.num_tokens for b in parts)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss, measured, is_weights = 0.0, [], []
-        for batch in parts:
-            old_logp, weights, ref_logp = batch.old_logprobs, None, None
-            with torch.no_grad(), self.autocast():
-                if self.cfg.recompute_old_logprobs:
-                    old_logp = self.logprobs(self.model, batch)
-                    weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask, self.cfg.tis_clip)
-                    is_weights.append(weights[batch.loss_mask])
-                if self.reference is not None:
-                    ref_logp = self.logprobs(self.reference, batch)
-            with self.autocast():
-                logp, entropy = token_scores(self.model, batch.input_ids, batch.targets, batch.attention_mask,
-                                             self.temperature, positions=batch.loss_mask, with_entropy=True)
-                out = ppo_loss(logp, old_logp, batch.advantages, batch.loss_mask, self.loss_cfg,
-                               engine_logp=batch.old_logprobs, is_weights=weights, ref_logp=ref_logp,
-                               kl_coef=self.cfg.kl_coef, num_step_tokens=num_step_tokens, entropy=entropy)
-            out.loss.backward()  # divided by the step's token count: the micro-batches' gradients add up
-            loss += float(out.loss.detach())
-            measured.append((out.means, out.num_tokens))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        plan = [[self.prepare(samples, [share[i] for i in idx])
+                 for idx in micro_batches([lengths[r] for r in share], self.cfg.micro_batch_tokens)]
+                for share in shares(rows, self.cfg.mini_batches)]
+        parts = [part for share in plan for part in share]
+        advantages = self.advantages(samples, parts)
+        for part in parts:
+            adv = torch.from_numpy(advantages[part.rows]).to(self.device)[:, None]
+            part.batch.advantages = torch.where(part.batch.loss_mask, adv, torch.zeros_like(part.batch.old_logprobs))
+        losses, norms, measured, first_pass, kl_old = [], [], [], [], []
+        num_skipped = 0
+        for iteration in range(self.cfg.num_iterations):
+            for share in plan:
+                loss, norm = self.update(share, measured, first_pass if iteration == 0 else None)
+                losses.append(loss)
+                if math.isfinite(norm):
+                    norms.append(norm)
+                else:
+                    num_skipped += 1
+            if self.cfg.num_iterations > 1:
+                kl_old.append(self.kl_to_old(parts))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        with warnings.catch_warnings():  # every optimizer step of this one may have been skipped: still a step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
         elapsed = time.perf_counter() - started
+        means = LossDiagnostics.token_mean(measured)
+        means.parity = LossDiagnostics.token_mean(first_pass).parity  # before any update: the engine's gap
         result = LearnResult(
-            pg_loss=loss, means=LossDiagnostics.token_mean(measured), num_tokens=num_step_tokens,
-            grad_norm=float(grad_norm), lr=lr, num_micro_batches=len(parts), peak_memory_mb=peak_memory_mb(self.device),
-            train_tokens_per_s=sum(int(b.attention_mask.sum()) for b in parts) / elapsed)
-        if is_weights:
-            w = torch.cat(is_weights)
+            pg_loss=float(np.mean(losses)) if losses else 0.0, means=means,
+            num_tokens=sum(p.batch.num_tokens for p in parts), grad_norm=max(norms, default=0.0), lr=lr,
+            num_micro_batches=len(parts), num_optimizer_steps=len(losses) - num_skipped,
+            num_skipped_steps=num_skipped, dropped_samples=dropped, kl_old=kl_old,
+            peak_memory_mb=peak_memory_mb(self.device),
+            train_tokens_per_s=self.cfg.num_iterations * sum(int(p.batch.attention_mask.sum()) for p in parts) / elapsed)
+        weights = [p.is_weights[p.batch.loss_mask] for p in parts if p.is_weights is not None]
+        if weights:
+            w = torch.cat(weights)
             result.is_weight_mean, result.is_weight_max = float(w.mean()), float(w.max())
             result.is_weight_clipped = float((w >= self.cfg.tis_clip - 1e-6).float().mean())
-        return result
+        return result, advantages
 
-    def assemble(self, samples: list[TrainSample]):
+    def trainable(self, samples: list[TrainSample]) -> tuple[list[int], dict[str, int]]:
+        """The samples whose tokens train, and how many were left out, by reason."""
+        rows, dropped = [], {}
+        for i, s in enumerate(samples):
+            reason = TRUNCATED if self.cfg.mask_truncated and s.finish_reason == "length" \
+                else unusable_logprobs(torch.as_tensor(np.asarray(s.logprobs)))
+            if reason is None:
+                rows.append(i)
+            else:
+                dropped[reason] = dropped.get(reason, 0) + 1
+        return rows, dropped
+
+    def prepare(self, samples: list[TrainSample], rows: list[int]) -> Part:
+        """A micro-batch's tokens, pi_old and reference log-probs, before any update."""
+        chosen = [samples[i] for i in rows]
+        batch = self.assemble(chosen, [0.0] * len(chosen))
+        old_logp, weights, ref_logp = batch.old_logprobs, None, None
+        with torch.no_grad(), self.autocast():
+            if self.cfg.recompute_old_logprobs:
+                old_logp = self.logprobs(self.model, batch)
+                weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask, self.cfg.tis_clip)
+            if self.reference is not None:
+                ref_logp = self.logprobs(self.reference, batch)
+        return Part(rows, batch, old_logp, weights, ref_logp)
+
+    def advantages(self, samples: list[TrainSample], parts: list[Part]) -> np.ndarray:
+        """Each sample's advantage, from its group's rewards (less the KL penalty with kl_in = reward)."""
+        rewards = np.array([s.reward for s in samples], np.float64)
+        if self.reference is not None and self.cfg.kl_in == "reward":
+            for p in parts:  # KL of the behaviour policy to the reference, summed over each response
+                kl = kl_terms(p.old_logp, p.ref_logp, p.batch.loss_mask, self.cfg.kl_estimator).sum(dim=1)
+                rewards[p.rows] -= self.cfg.kl_coef * kl.double().cpu().numpy()
+        groups = sorted({s.group for s in samples})
+        members = [[i for i, s in enumerate(samples) if s.group == g] for g in groups]
+        if self.reference is None or self.cfg.kl_in != "reward":
+            rewards = rewards.astype(np.float32)  # as the wire carried them: the arithmetic of every earlier run
+        out = np.zeros(len(samples), np.float32)
+        for idx, adv in zip(members, estimators.estimate(self.cfg.advantage, [rewards[m] for m in members],
+                                                         self.cfg.scale_rewards)):
+            out[idx] = adv.numpy()
+        return out
+
+    def update(self, share: list[Part], measured: list, first_pass: list | None) -> tuple[float, float]:
+        """One optimizer step on a share of the samples: (its loss, its gradient norm before clipping;
+        not finite: the step was skipped)."""
+        totals = StepTotals(num_tokens=sum(p.batch.num_tokens for p in share), num_samples=sum(
+            int(p.batch.loss_mask.any(dim=1).sum()) for p in share))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        for p in share:
+            b = p.batch
+            with self.autocast():
+                logp, entropy = token_scores(self.model, b.input_ids, b.targets, b.attention_mask, self.temperature,
+                                             positions=b.loss_mask, with_entropy=True,
+                                             entropy_grad=self.cfg.entropy_coef > 0)
+                out = policy_loss(logp, p.old_logp, b.advantages, b.loss_mask, self.loss_cfg, totals,
+                                  engine_logp=b.old_logprobs, is_weights=p.is_weights, ref_logp=p.ref_logp,
+                                  entropy=entropy)
+            out.loss.backward()  # divided by the share's totals: the micro-batches' gradients add up
+            loss += float(out.loss.detach())
+            measured.append((out.means, out.num_tokens))
+            if first_pass is not None:
+                first_pass.append((out.means, out.num_tokens))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:  # a NaN or inf gradient never reaches the weights (nor, so, an engine)
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def kl_to_old(self, parts: list[Part]) -> float:
+        """KL(pi_old || pi) per response token after a pass (k3 on the samples pi_old drew)."""
+        total, count = 0.0, 0
+        with torch.no_grad(), self.autocast():
+            for p in parts:
+                logp = self.logprobs(self.model, p.batch)
+                total += float(kl_terms(p.old_logp, logp, p.batch.loss_mask, "k3").sum())
+                count += p.batch.num_tokens
+        return total / max(1, count)
+
+    def assemble(self, samples: list[TrainSample], advantages) -> TokenBatch:
         return assemble_batch([s.prompt for s in samples], [s.response for s in samples],
-                              [s.logprobs for s in samples], [s.advantage for s in samples],
-                              self.pad_id).to(self.device)
+                              [s.logprobs for s in samples], list(advantages), self.pad_id).to(self.device)
 
     def logprobs(self, model, batch) -> torch.Tensor:
         return token_scores(model, batch.input_ids, batch.targets, batch.attention_mask, self.temperature,

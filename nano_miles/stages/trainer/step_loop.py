@@ -21,10 +21,12 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
 from nano_miles.algo import admission
+from nano_miles.algo.advantages import has_signal
 from nano_miles.algo.diagnostics import StepStats
 from nano_miles.algo.grpo import token_logprobs
 from nano_miles.observe.metrics import TrainerMetrics
@@ -55,7 +57,8 @@ class Trainer:
         self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
-        self.learner = Learner(t, model, pad_id, cfg.rollout.temperature)  # before a checkpoint is loaded
+        # before a checkpoint is loaded
+        self.learner = Learner(t, model, pad_id, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
         self.max_staleness = cfg.run.effective_max_staleness
         self.run_dir = cfg.run_dir
@@ -104,9 +107,9 @@ class Trainer:
         started = time.perf_counter()
         groups, wait_s = self.pull_batch()  # a stop while pulling: nothing of this step happened
         self.state.step += 1  # from here on the model holds it: what `restore` and the version gate count
-        self.record.write_rollouts(self.step, groups)
-        self.record.write_samples(self.step, groups)
-        stats = self.optimize(groups)
+        stats, advantages = self.optimize(groups)
+        self.record.write_rollouts(self.step, groups, advantages)
+        self.record.write_samples(self.step, groups, advantages)
         record = self.publish(stats, wait_s)
         record.step_s = time.perf_counter() - started
         record.elapsed_s = self.elapsed_s()
@@ -252,7 +255,7 @@ class Trainer:
                 newest_version=group.newest_version,
                 is_consumed=group.group_id in self.trained_ids or group.group_id in self.state.no_signal_ids
                 or group.group_id in batch_ids, max_staleness=self.max_staleness,
-                has_signal=bool(scored.advantages.any()), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
+                has_signal=has_signal(scored.rewards), skip_zero_variance=self.cfg.trainer.skip_zero_variance)
             if reason is None:
                 self.metrics.staleness.observe(admission.staleness(step, group.oldest_version))
                 batch.append(scored)
@@ -315,16 +318,22 @@ class Trainer:
             self.count_drop(reason)
             self.dropped[group_id] = max(group.attempt, self.dropped.get(group_id, 0))
 
-    def optimize(self, groups: list[ScoredGroup]) -> StepStats:
-        samples = [TrainSample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(adv))
-                   for sg in groups for sample, adv in zip(sg.group.samples, sg.advantages)]
-        result = self.learner.step(samples)
+    def optimize(self, groups: list[ScoredGroup]) -> tuple[StepStats, list]:
+        """Train the step's groups: its statistics, and each group's advantages (the learner makes them)."""
+        samples = [TrainSample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(reward), g,
+                               sample.finish_reason)
+                   for g, sg in enumerate(groups) for sample, reward in zip(sg.group.samples, sg.rewards)]
+        result, advantages = self.learner.step(samples)
+        if result.num_skipped_steps:
+            log.warning("step %d: %d optimizer step(s) skipped, gradient norm not finite; the weights are "
+                        "those of before them", self.step, result.num_skipped_steps)
         ids = [sg.group.group_id for sg in groups]
         self.state.trained_by_step[self.step] = ids
         self.trained_ids.update(ids)
         self.advance_cursor(ids)
         self.state.num_trained_tokens += result.num_tokens
-        return StepStats.from_groups(groups, self.step, result)
+        ends = np.cumsum([len(sg.rewards) for sg in groups])[:-1]
+        return StepStats.from_groups(groups, self.step, result, advantages), np.split(advantages, ends)
 
     def advance_cursor(self, group_ids: list[str]) -> None:
         self.state.cursor = max([self.state.cursor] + [position_of(g, self.num_items) + 1 for g in group_ids])
