@@ -39,16 +39,14 @@ and again at the end with the means and the first run's figures, so a study cut 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.learning_runs import WORD_PROBLEMS  # noqa: E402
+from harness.learning_runs import WORD_PROBLEMS, run_once, seed_list  # noqa: E402
 from harness.result_file import write_result  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
 
@@ -56,51 +54,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 HABIT_FREE = Path(__file__).resolve().parent.parent / "nano_miles" / "assets" / "policy_habit_free"
 VARIANTS = ("shipped", "habit_free", "control")
 LATE = 3  # evaluations averaged for the late figure
-
-
-def follow(run, timeout_s: float) -> None:
-    """Print the trainer's step lines as they come, until the run ends."""
-    log_path, offset = run.run_dir / "trainer.log", 0
-    deadline = time.monotonic() + timeout_s
-    while run.proc.poll() is None:
-        if time.monotonic() > deadline:
-            run.stop()
-            raise SystemExit(f"run did not finish in {timeout_s:.0f}s; logs in {run.run_dir}")
-        if log_path.exists():
-            with log_path.open("rb") as f:  # only what was appended since the last look
-                f.seek(offset)
-                new = f.read()
-            complete = new[:new.rfind(b"\n") + 1]
-            offset += len(complete)
-            for line in complete.decode(errors="replace").splitlines():
-                if " step " in line or "held-out" in line:
-                    print(line, flush=True)
-        time.sleep(1.0)
-
-
-def run_once(run_dir: Path, argv: list[str], is_followed: bool) -> dict | None:
-    """One supervised run in `run_dir` with `argv` overrides; its summary, with the wall time, or None
-    if it failed. A run directory that holds a finished run is read, not run again."""
-    from harness.supervised_run import SupervisedRun
-    summary_path = run_dir / "summary.json"
-    if summary_path.exists():
-        return json.loads(summary_path.read_text())
-    started = time.monotonic()
-    run = SupervisedRun(run_dir, argv).start()
-    try:
-        if is_followed:
-            follow(run, timeout_s=3 * 3600)
-        else:
-            run.wait(timeout_s=3 * 3600)
-    finally:
-        run.stop()
-    if not summary_path.exists():
-        print(f"the run in {run_dir} failed:\n{run.tail()}", file=sys.stderr)
-        return None
-    # what a user of `make run` waits for, start-up included; kept with the run for a later read
-    summary = {**json.loads(summary_path.read_text()), "wall_s": time.monotonic() - started}
-    summary_path.write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def mean(values: list) -> float | None:
@@ -170,13 +123,6 @@ def variant_list(text: str) -> list[str]:
     if not names or not set(names) <= set(VARIANTS):
         raise argparse.ArgumentTypeError(f"takes variants of {', '.join(VARIANTS)}, comma-separated, not {text!r}")
     return names
-
-
-def seed_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a comma-separated list of integers, not {text!r}") from None
 
 
 def main(argv: list[str]) -> int:

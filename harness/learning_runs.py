@@ -1,13 +1,17 @@
-"""The pipeline runs whose learning the tests assert, and the margins they assert.
+"""The pipeline runs whose learning the tests assert, the margins they assert, and how a bench runs one.
 
 The margins come from repeated seeds, not from one lucky run: `python bench/learning_seeds.py` runs
 each config below with seeds 0-4 and writes bench/results/learning_seeds.json; a test asserts half
-the smallest gain any seed showed, so it fails only when learning really got weaker.
+the smallest gain any seed showed, so it fails only when learning really got weaker. `run_once` is
+how the learning benches (`bench/learning.py`, `bench/algorithms.py`) run a pipeline to its summary.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "learning_seeds.json"
@@ -42,3 +46,55 @@ def margin(config: str, gain: str) -> float:
         raise AssertionError(f"{RESULTS.name}: a {config} run with seed {min(runs, key=lambda r: r[gain])['seed']} "
                              f"had {gain} {smallest:+.3f}; nothing to assert a margin on")
     return smallest / 2
+
+
+def follow(run, timeout_s: float) -> None:
+    """Print the trainer's step lines as they come, until the run ends."""
+    log_path, offset = run.run_dir / "trainer.log", 0
+    deadline = time.monotonic() + timeout_s
+    while run.proc.poll() is None:
+        if time.monotonic() > deadline:
+            run.stop()
+            raise SystemExit(f"run did not finish in {timeout_s:.0f}s; logs in {run.run_dir}")
+        if log_path.exists():
+            with log_path.open("rb") as f:  # only what was appended since the last look
+                f.seek(offset)
+                new = f.read()
+            complete = new[:new.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                if " step " in line or "held-out" in line:
+                    print(line, flush=True)
+        time.sleep(1.0)
+
+
+def run_once(run_dir: Path, argv: list[str], is_followed: bool) -> dict | None:
+    """One supervised run in `run_dir` with `argv` overrides; its summary, with the wall time, or None
+    if it failed. A run directory that holds a finished run is read, not run again."""
+    from harness.supervised_run import SupervisedRun
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
+    started = time.monotonic()
+    run = SupervisedRun(run_dir, argv).start()
+    try:
+        if is_followed:
+            follow(run, timeout_s=3 * 3600)
+        else:
+            run.wait(timeout_s=3 * 3600)
+    finally:
+        run.stop()
+    if not summary_path.exists():
+        print(f"the run in {run_dir} failed:\n{run.tail()}", file=sys.stderr)
+        return None
+    # what a user of `make run` waits for, start-up included; kept with the run for a later read
+    summary = {**json.loads(summary_path.read_text()), "wall_s": time.monotonic() - started}
+    summary_path.write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def seed_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a comma-separated list of integers, not {text!r}") from None

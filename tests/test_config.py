@@ -147,12 +147,15 @@ def test_values_out_of_range_name_the_key_and_what_is_allowed(override, match):
 @pytest.mark.parametrize("overrides, match", [
     (["--trainer.advantage=rloo", "--trainer.scale_rewards=none"],
      r"^trainer.scale_rewards=none is the grpo estimator's option; trainer.advantage=rloo scales its own way"),
+    (['--reward.fns=["nano_miles.tasks.arithmetic:reward", "nano_miles.rewards.overlong:reward"]',
+      "--reward.overlong_buffer=64"], r"^reward.overlong_buffer \(64\) is longer than rollout.max_new_tokens \(48\)"),
     (["--trainer.kl_in=reward"], r"^trainer.kl_in and trainer.kl_estimator shape the KL penalty, which is off"),
     (["--trainer.kl_estimator=k1"], r"^trainer.kl_in and trainer.kl_estimator shape the KL penalty, which is off"),
     (["--trainer.mini_batches=200", "--trainer.batch_groups=4"],
      r"^trainer.mini_batches \(200\) is more than a step's 32 samples \(trainer.batch_groups x rollout.group_size\)"),
 ])
 def test_algorithm_settings_that_do_not_go_together_are_refused(overrides, match):
+    """(also the overlong penalty's ramp, which must fit in the budget when the function is used)"""
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=overrides)
     load_config(overrides=["--trainer.kl_coef=0.01", "--trainer.kl_in=reward", "--trainer.kl_estimator=k1",

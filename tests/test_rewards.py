@@ -10,10 +10,11 @@ import pytest
 
 from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics, StepStats
 from nano_miles.observe.run_record import format_step_line, summarize
-from nano_miles.rewards import load_reward
+from nano_miles.rewards import load_reward, sample_facts
 from nano_miles.rewards.math import extract_answer, reward
 from nano_miles.rewards.worker import RewardWorker
-from nano_miles.run.config import RewardConfig
+from nano_miles.run.cli import UserError
+from nano_miles.run.config import RewardConfig, load_config
 from nano_miles.stages.reward.scorer import score_group
 from nano_miles.wire.data import RolloutGroup, Sample
 
@@ -105,3 +106,60 @@ def test_a_reward_function_without_accuracy_works_through_scoring_records_and_su
                                     "pass_at_k": None, "k": 1, "parts": {}} for step, reward in ((0, 0.25), (1, 0.75))])
     assert summary["eval_accuracy_start"] is None and summary["eval_accuracy_delta"] is None
     assert (summary["eval_reward_start"], summary["eval_reward_max"]) == (0.25, 0.75)
+
+
+def ramp(num_tokens: int, max_new: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment, written out case by case."""
+    if num_tokens <= max_new - buffer:
+        return 0.0
+    return -penalty * (num_tokens - (max_new - buffer)) / buffer
+
+
+def test_the_overlong_penalty_ramps_over_the_last_tokens_of_the_budget():
+    from nano_miles.rewards.overlong import reward as overlong
+    for n, want in ((1, 0.0), (32, 0.0), (33, -0.0625), (40, -0.5), (47, -0.9375), (48, -1.0)):
+        got = overlong("text", "label", num_response_tokens=n, max_new_tokens=48, overlong_buffer=16,
+                       overlong_penalty=1.0)["reward"]
+        assert got == pytest.approx(want) == pytest.approx(ramp(n, 48, 16, 1.0)), n
+    assert overlong("", "", num_response_tokens=10, max_new_tokens=10, overlong_buffer=10,
+                    overlong_penalty=0.5) == {"reward": -0.5}
+
+
+def length_only(response: str, label: str, *, num_response_tokens: int, finish_reason: str) -> dict:
+    return {"reward": float(num_response_tokens), "cut": float(finish_reason == "length")}
+
+
+def needs_a_stranger(response: str, label: str, *, temperature: float) -> dict:
+    return {"reward": temperature}
+
+
+def test_a_reward_stage_sums_the_task_reward_and_the_overlong_penalty_with_the_samples_facts():
+    cfg = load_config(overrides=['--reward.fns=["nano_miles.tasks.arithmetic:reward", '
+                                 '"nano_miles.rewards.overlong:reward", "tests.test_rewards:length_only"]',
+                                 "--reward.weights=[1, 1, 0]", "--rollout.max_new_tokens=10",
+                                 "--reward.overlong_buffer=4", "--reward.overlong_penalty=0.5"])
+    worker = RewardWorker(load_reward(cfg.reward), timeout_s=5.0)
+    try:
+        texts = ["<answer>7</answer>", "<answer>7</answer>", "<answer>8</answer>"]
+        lengths, reasons = [3, 9, 10], ["stop", "stop", "length"]
+        samples = [Sample(np.arange(n, dtype=np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32), why)
+                   for n, why in zip(lengths, reasons)]
+        group = RolloutGroup("e0-i0", 0, np.array([5, 6], np.int32), samples, metadata={"label": "7"})
+        decoded = {n: t for n, t in zip(lengths, texts)}
+        scored = score_group(group, worker, lambda ids: decoded[len(ids)],
+                             facts=lambda n, why: sample_facts(cfg, n, why))
+    finally:
+        worker.stop()
+    from nano_miles.tasks.arithmetic import reward as arithmetic
+    task = [arithmetic(t, "7")["reward"] for t in texts]
+    penalties = [ramp(n, 10, 4, 0.5) for n in lengths]
+    assert penalties == [0.0, -0.375, -0.5]
+    assert scored.rewards.tolist() == pytest.approx([t + p for t, p in zip(task, penalties)])
+    assert scored.reward_parts["overlong/reward"].tolist() == pytest.approx(penalties)
+    assert scored.reward_parts["length_only/cut"].tolist() == [0.0, 0.0, 1.0]
+
+
+def test_a_reward_function_that_asks_for_an_unknown_keyword_is_refused_at_load():
+    with pytest.raises(UserError, match=r"^reward.fn: keyword parameter 'temperature' is not one a reward "
+                                        r"function can be given \(one of num_response_tokens, finish_reason"):
+        load_reward(RewardConfig(fn="tests.test_rewards:needs_a_stranger"))

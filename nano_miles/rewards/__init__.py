@@ -10,19 +10,67 @@ the plain "accuracy" and "format" parts are those of the first function that rep
 functions always run in the reward stage's forked worker, with its per-sample timeout; a sample the
 function fails on scores 0, and a function that fails on a whole group, or on more than
 `reward.max_failure_fraction` of the samples, stops the run (`worker.FailureLimit`).
-Built in: `nano_miles.rewards.math:reward` (verifiable math answers) and the arithmetic task's own
+Built in: `nano_miles.rewards.math:reward` (verifiable math answers), `nano_miles.rewards.overlong:reward`
+(DAPO's soft length penalty, to add to another through `reward.fns`) and the arithmetic task's own
 `nano_miles.tasks.arithmetic:reward`.
+
+A function may also ask for facts the text does not show, by declaring keyword-only parameters named
+in REWARD_KEYWORDS: the sample's `num_response_tokens` and `finish_reason` ("stop" or "length"),
+`rollout.max_new_tokens`, and the `[reward]` settings of the built-in shaping functions. Each function
+gets exactly the keywords it declares; one it declares without a default that is not in the list is
+an error when the function loads.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 from nano_miles.run.cli import UserError
 
-RewardFn = Callable[[str, str], dict[str, float]]
+RewardFn = Callable[..., dict[str, float]]  # (response, label), or (response, label, facts) once loaded
 SHARED_PARTS = ("accuracy", "format")  # kept unprefixed from the first function that has them
+REWARD_KEYWORDS = ("num_response_tokens", "finish_reason", "max_new_tokens", "overlong_buffer", "overlong_penalty")
+
+
+def sample_facts(cfg, num_response_tokens: int, finish_reason: str) -> dict:
+    """What a reward function may ask for by keyword (REWARD_KEYWORDS), for one sample of a run."""
+    return {"num_response_tokens": num_response_tokens, "finish_reason": finish_reason,
+            "max_new_tokens": cfg.rollout.max_new_tokens, "overlong_buffer": cfg.reward.overlong_buffer,
+            "overlong_penalty": cfg.reward.overlong_penalty}
+
+
+def declared_keywords(fn, key: str) -> tuple[str, ...]:
+    """The REWARD_KEYWORDS `fn` declares as keyword-only parameters; a UserError naming `key` for one it
+    needs (no default) that is not among them."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: it takes (response, label)
+        return ()
+    keyword_only = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = [p.name for p in keyword_only if p.name not in REWARD_KEYWORDS and p.default is inspect.Parameter.empty]
+    if unknown:
+        raise UserError(f"{key}: keyword parameter {unknown[0]!r} is not one a reward function can be given "
+                        f"(one of {', '.join(REWARD_KEYWORDS)})")
+    return tuple(p.name for p in keyword_only if p.name in REWARD_KEYWORDS)
+
+
+def with_facts(fn, key: str):
+    """`fn` as a function of (response, label, facts=None) that passes it the keywords it declares
+    (`fn` itself if it is one already: what `load_reward` returns)."""
+    if getattr(fn, "takes_facts", False):
+        return fn
+    names = declared_keywords(fn, key)
+
+    def call(response: str, label: str, facts: dict | None = None) -> dict[str, float]:
+        if not names:
+            return fn(response, label)
+        if facts is None:
+            raise TypeError(f"{key} needs {', '.join(names)}, which only a scored sample has")
+        return fn(response, label, **{n: facts[n] for n in names})
+    call.takes_facts = True
+    return call
 
 
 def split_dotted(dotted: str, key: str = "reward.fn") -> tuple[str, str]:
@@ -55,17 +103,19 @@ def part_prefix(dotted: str) -> str:
 
 
 def weighted(named_fns: list[tuple[str, RewardFn]], weights: list[float]) -> RewardFn:
-    """One reward function from several: the weighted sum, each one's parts under its name."""
-    def combined(response: str, label: str) -> dict[str, float]:
+    """One reward function from several (each taking `facts`, as `with_facts` makes them): the weighted
+    sum, each one's parts under its name."""
+    def combined(response: str, label: str, facts: dict | None = None) -> dict[str, float]:
         out = {"reward": 0.0}
         for (name, fn), weight in zip(named_fns, weights):
-            parts = fn(response, label)
+            parts = fn(response, label, facts)
             out["reward"] += weight * float(parts["reward"])
             for key, value in parts.items():
                 out[f"{name}/{key}"] = float(value)
                 if key in SHARED_PARTS:
                     out.setdefault(key, float(value))
         return out
+    combined.takes_facts = True
     return combined
 
 
@@ -77,8 +127,8 @@ def describe(reward_cfg) -> str:
 def load_reward(reward_cfg) -> RewardFn:
     """The run's reward function from the [reward] section; a UserError naming the key if it cannot load."""
     if not reward_cfg.fns:
-        return load_reward_fn(reward_cfg.fn)
+        return with_facts(load_reward_fn(reward_cfg.fn), "reward.fn")
     names = [part_prefix(d) for d in reward_cfg.fns]
     names = [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]  # each its own parts
-    fns = [load_reward_fn(d, f"reward.fns[{i}]") for i, d in enumerate(reward_cfg.fns)]
+    fns = [with_facts(load_reward_fn(d, f"reward.fns[{i}]"), f"reward.fns[{i}]") for i, d in enumerate(reward_cfg.fns)]
     return weighted(list(zip(names, fns)), reward_cfg.weights or [1.0] * len(fns))

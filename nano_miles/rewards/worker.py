@@ -19,6 +19,7 @@ import signal
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from nano_miles.rewards import with_facts
 from nano_miles.run.cli import UserError
 
 log = logging.getLogger("reward")
@@ -38,17 +39,17 @@ class RewardFailure(Exception):
 
 
 def _serve(conn: Connection, reward_fn) -> None:
-    """Child: answer (response, label) with ("ok", values) or ("error", text) until the pipe closes."""
+    """Child: answer (response, label, facts) with ("ok", values) or ("error", text) until the pipe closes."""
     from nano_miles.run.process import die_with_parent
     die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the stage's handler would run its cleanup here
     while True:
         try:
-            response, label = conn.recv()
+            response, label, facts = conn.recv()
         except EOFError:
             return
         try:
-            out = reward_fn(response, label)
+            out = reward_fn(response, label, facts)
             values = {str(k): float(v) for k, v in out.items()}
             reply = ("ok", values)
         except Exception as e:  # user code: any exception it raises is a scoring failure, not ours
@@ -58,7 +59,8 @@ def _serve(conn: Connection, reward_fn) -> None:
 
 @dataclass
 class RewardWorker:
-    """Calls `reward_fn(response, label)` in a forked child, at most `timeout_s` per call."""
+    """Calls `reward_fn(response, label)` in a forked child, at most `timeout_s` per call; with `facts`
+    (`nano_miles.rewards.sample_facts`) `reward_fn(response, label, facts)`."""
 
     reward_fn: object
     timeout_s: float
@@ -69,18 +71,19 @@ class RewardWorker:
     def start(self) -> None:
         ctx = mp.get_context("fork")
         parent_end, child_end = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child_end, self.reward_fn), daemon=True,
-                                name="reward-worker")
+        # as a function of (response, label, facts): what `load_reward` returns, or any (response, label) one
+        fn = with_facts(self.reward_fn, "the reward function")
+        self.proc = ctx.Process(target=_serve, args=(child_end, fn), daemon=True, name="reward-worker")
         self.proc.start()
         child_end.close()
         self.conn = parent_end
 
-    def __call__(self, response: str, label: str) -> dict[str, float]:
+    def __call__(self, response: str, label: str, facts: dict | None = None) -> dict[str, float]:
         """The reward and its parts, all finite floats; RewardFailure naming the reason otherwise."""
         if self.proc is None:
             self.start()
         try:
-            self.conn.send((response, label))
+            self.conn.send((response, label, facts))
             is_ready = self.conn.poll(self.timeout_s)
             reply = self.conn.recv() if is_ready else None
         except (EOFError, OSError) as e:  # the worker died under the call (os._exit, a crash, OOM)
@@ -139,11 +142,11 @@ class FailureLimit:
                             f"{failures[-1]}")
 
 
-def score(worker: RewardWorker, response: str, label: str, on_failure=None) -> dict[str, float]:
+def score(worker: RewardWorker, response: str, label: str, on_failure=None, facts: dict | None = None) -> dict[str, float]:
     """The reward and its parts of one sample; a sample that cannot be scored gets reward 0 (and no
     parts), and `on_failure(failure)` is told why."""
     try:
-        return worker(response, label)
+        return worker(response, label, facts)
     except RewardFailure as failure:
         if on_failure is not None:
             on_failure(failure)

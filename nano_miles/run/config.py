@@ -177,6 +177,8 @@ class RewardConfig(Section):
     max_failure_fraction: float = checked(0.5, between(0, 1))  # a function that fails (raises, hangs, returns
                                                       # no finite reward) on more than this share of the samples
                                                       # scored so far, or on a whole group, stops the run
+    overlong_buffer: int = checked(16, at_least(1))   # nano_miles.rewards.overlong: the last N tokens before
+    overlong_penalty: float = checked(1.0, at_least(0))  # max_new_tokens cost up to this much, linearly
     metrics_port: int = checked(9102, PORT_OR_FREE)
 
     def __post_init__(self):
@@ -290,6 +292,10 @@ class Config:
         if 0 < self.run.hang_timeout_s <= blocked_s:
             raise ConfigError(f"run.hang_timeout_s must be 0 (off) or above trainer.control_timeout_s x "
                               f"trainer.control_retries = {blocked_s:g} s, not {self.run.hang_timeout_s:g}")
+        uses_overlong = any(f.startswith("nano_miles.rewards.overlong") for f in [self.reward.fn, *self.reward.fns])
+        if uses_overlong and self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) is longer than "
+                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}): the penalty's ramp ends there")
         num_samples = self.trainer.batch_groups * self.rollout.group_size
         if self.trainer.mini_batches > num_samples:
             raise ConfigError(f"trainer.mini_batches ({self.trainer.mini_batches}) is more than a step's "

@@ -25,7 +25,7 @@ import zmq
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.rewards import describe
+from nano_miles.rewards import describe, sample_facts
 from nano_miles.rewards.worker import REASONS, FailureLimit, RewardFailure, RewardWorker, score
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 from nano_miles.wire.sockets import make_socket
@@ -36,14 +36,16 @@ WAIT_SLICE_MS = 1000  # a wait for a peer beats this often: waiting is not hangi
 LOG_EVERY_S = 10.0    # and says what it waits for this often
 
 
-def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None) -> ScoredGroup:
-    """Run the reward function on each decoded response.
+def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None, facts=None) -> ScoredGroup:
+    """Run the reward function on each decoded response; `facts(num_response_tokens, finish_reason)`
+    gives the keywords a function may ask for (`nano_miles.rewards.sample_facts`), None none.
 
     A sample that cannot be scored gets 0 in the reward and every part; `on_failure(index, failure)`
     is told about it."""
     label = str(group.metadata.get("label", ""))
     outs = [score(worker, decode(sample.response_tokens), label,
-                  None if on_failure is None else lambda failure, i=index: on_failure(i, failure))
+                  None if on_failure is None else lambda failure, i=index: on_failure(i, failure),
+                  None if facts is None else facts(len(sample.response_tokens), sample.finish_reason))
             for index, sample in enumerate(group.samples)]
     part_names = sorted({k for out in outs for k in out if k != "reward"})
     rewards = np.asarray([out["reward"] for out in outs], np.float32)
@@ -58,6 +60,7 @@ class RewardStage:
         self.worker = RewardWorker(reward_fn, cfg.reward.timeout_s)
         self.worker.start()
         self.decode = decode
+        self.facts = lambda num_tokens, finish_reason: sample_facts(cfg, num_tokens, finish_reason)
         self.num_received = self.num_sent = self.num_rejected = 0
         self.failures = dict.fromkeys(REASONS, 0)
         self.limit = FailureLimit(describe(cfg.reward), cfg.reward.max_failure_fraction)
@@ -82,7 +85,7 @@ class RewardStage:
         self.metrics.received(group)
         self.group_failures = []
         scored = score_group(group, self.worker, self.decode,
-                             lambda index, failure: self.on_failure(group.group_id, index, failure))
+                             lambda index, failure: self.on_failure(group.group_id, index, failure), self.facts)
         self.limit.check(len(group.samples), self.group_failures)  # a broken function ends the run here
         self.send(encode_scored(scored))
         self.num_sent += 1

@@ -20,7 +20,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from nano_miles.engine.client import sampling_seed
-from nano_miles.rewards import describe
+from nano_miles.rewards import describe, sample_facts
 from nano_miles.rewards.worker import FailureLimit, score
 from nano_miles.run.config import Config
 from nano_miles.tasks.prompts import encode_prompts, make_decoder
@@ -69,7 +69,8 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
 
     def scores(outputs, labels) -> list[dict[str, float]]:
         failures = []
-        parts = [score(worker, decode(out["output_ids"]), label, failures.append)
+        parts = [score(worker, decode(out["output_ids"]), label, failures.append,
+                       sample_facts(cfg, len(out["output_ids"]), out["meta_info"]["finish_reason"]["type"]))
                  for out, label in zip(outputs, labels)]
         if failures:
             log.warning("the reward function failed on %d of %d held-out samples (scored 0); the last: %s",
