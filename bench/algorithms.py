@@ -4,7 +4,7 @@ Run: python bench/algorithms.py [--variants default,rloo,...] [--seeds 0,1,2] [-
                                 [--out DIR] [--name NAME] [--jobs N] [--keep-runs DIR] [--section.key=value ...]
 On a GPU (the large policy, bench/results/gpu/README.md says how):
      python bench/algorithms.py --config configs/gpu_large.toml --out bench/results/gpu --name algorithms_large
-         --jobs 9 --keep-runs runs/algorithms-large --trainer.num_steps=40 --engine.mem_fraction_static=0.05
+         --seeds 0 --jobs 9 --keep-runs runs/algorithms-large --engine.mem_fraction_static=0.05
 
 Every variant is the config (configs/default.toml unless --config) plus its overrides below and the
 bench's budget (BUDGET: the same steps, batch and evaluations for all), started as `make run` starts a
@@ -23,6 +23,7 @@ reads a finished one instead of running it again.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -37,8 +38,8 @@ from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LATE = 3  # evaluations averaged for the late figure
-# the same budget for every variant: 60 steps of 16 groups x 8 samples, held-out every 10 steps
-BUDGET = ["--trainer.num_steps=60", "--trainer.eval_every=10", "--trainer.checkpoint_every=30"]
+# the same budget for every variant: 40 steps of the config's batch, held-out every 8 steps
+BUDGET = ["--trainer.num_steps=40", "--trainer.eval_every=8", "--trainer.checkpoint_every=20"]
 VARIANTS = {
     "default": [],                                                     # grpo advantages, dapo loss
     "grpo_batch": ["--trainer.scale_rewards=batch"],                   # TRL's batch scaling
@@ -49,6 +50,12 @@ VARIANTS = {
     "gspo": ["--trainer.loss=gspo", "--trainer.eps_clip=3e-4", "--trainer.eps_clip_high=4e-4"],
     "cispo": ["--trainer.loss=cispo", "--trainer.eps_clip_high=4.0"],  # weights truncated at 5, as MiniMax-M1
     "two_passes": ["--trainer.num_iterations=2", "--trainer.mini_batches=2"],  # 4 optimizer steps a batch
+    # at one optimizer step a batch the ratio is 1 (up to engine/trainer rounding), where gspo's gradient is
+    # grpo_loss's and cispo's is default's: they differ only once the policy moves within a batch
+    "gspo_two_passes": ["--trainer.loss=gspo", "--trainer.eps_clip=3e-4", "--trainer.eps_clip_high=4e-4",
+                        "--trainer.num_iterations=2", "--trainer.mini_batches=2"],
+    "cispo_two_passes": ["--trainer.loss=cispo", "--trainer.eps_clip_high=4.0", "--trainer.num_iterations=2",
+                         "--trainer.mini_batches=2"],
 }
 
 
@@ -66,9 +73,12 @@ def figures(evals: list[dict]) -> dict:
 
 
 def verdict(gains: Spread, base: Spread) -> str:
-    """helps / hurts / no difference, against the default's gains (see the module's docstring)."""
+    """helps / hurts / no difference, against the default's gains (see the module's docstring); one seed
+    on either side has no spread to judge by."""
     if gains.mean is None or base.mean is None:
         return "-"
+    if gains.num < 2 or base.num < 2:
+        return "one seed: no verdict"
     noise = max(gains.std or 0.0, base.std or 0.0)
     if gains.mean > base.max + noise:
         return "helps"
@@ -95,9 +105,9 @@ def summarize(rows: list[dict], names: list[str]) -> dict:
 def print_table(summary: dict) -> None:
     def pct(s: dict) -> str:
         return Spread(**s).text(".1f", 100)
-    print(f"\n{'variant':<13} {'start %':>20} {'late %':>20} {'gain (points)':>22} {'wall s':>7}  verdict")
+    print(f"\n{'variant':<17} {'start %':>20} {'late %':>20} {'gain (points)':>22} {'wall s':>7}  verdict")
     for name, s in summary.items():
-        print(f"{name:<13} {pct(s['start']):>20} {pct(s['late_mean']):>20} {pct(s['gain']):>22} "
+        print(f"{name:<17} {pct(s['start']):>20} {pct(s['late_mean']):>20} {pct(s['gain']):>22} "
               f"{s['wall_s']['mean']:>7.0f}  {s['verdict']}")
 
 
@@ -107,14 +117,15 @@ def plot(rows: list[dict], names: list[str], out: Path, title: str) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name in names:
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(names):
         curves = [r["evals"] for r in rows if r["variant"] == name]
         steps = [e["step"] for e in curves[0]]
         by_step = [[100 * c[k]["accuracy"] for c in curves if k < len(c)] for k in range(len(steps))]
         mean = [sum(v) / len(v) for v in by_step]
-        line, = ax.plot(steps, mean, label=name, lw=2 if name == "default" else 1.2)
-        ax.fill_between(steps, [min(v) for v in by_step], [max(v) for v in by_step], color=line.get_color(),
-                        alpha=0.08)
+        color = colors[(2 * i) % 20 + (2 * i) // 20]  # the strong shades first: 10 variants, then the pale ones
+        ax.plot(steps, mean, label=name, lw=2 if name == "default" else 1.2, color=color)
+        ax.fill_between(steps, [min(v) for v in by_step], [max(v) for v in by_step], color=color, alpha=0.08)
     ax.set_xlabel("step")
     ax.set_ylabel("held-out greedy accuracy (%), mean over seeds")
     ax.legend(fontsize=7, ncol=3)
@@ -137,7 +148,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="pipelines run at once")
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep the run directories here (and reuse "
                                                                       "finished ones)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="run nothing: read this result file (also one cut short), keep the runs of --variants "
+                             "(default: those it has), write it back with their table and draw its PNG")
     args = parser.parse_args([a for a in argv if not is_override(a)])
+    if args.report is not None:
+        return report(args.report, None if "--variants" not in " ".join(argv) else args.variants)
     argv = BUDGET + [a for a in argv if is_override(a)]
     if args.config is not None:
         os.environ["NANOMILES_CONFIG"] = args.config
@@ -148,9 +164,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    where = "2 CPU cores" if args.config is None else Path(args.config).name
-    policy = Path(cfg.model.path).name or "small policy"
-    title = f"{cfg.trainer.num_steps} sync steps, {policy}, {where}"
+    title = plot_title(cfg.to_dict(), args.config)
     json_path = args.out / f"{args.name}.json"
     plan = [(name, seed) for name in args.variants for seed in args.seeds]
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,6 +200,37 @@ def main(argv: list[str]) -> int:
                  is_complete=True)
     if plot(rows, args.variants, args.out / f"{args.name}.png", title):
         print(f"wrote {json_path} and {args.name}.png")
+    return 0
+
+
+def plot_title(config: dict, config_file: str | None) -> str:
+    policy = Path(config["model"]["path"]).name or "small policy"
+    where = "CPU default config" if config_file is None else Path(config_file).name
+    return f"{config['trainer']['num_steps']} sync steps, {policy}, {where}"
+
+
+def report(path: Path, variants: list[str] | None) -> int:
+    """Rewrite a result file from the runs it holds: those of `variants` (None: every variant with a run),
+    with their summary and verdicts, and draw its PNG. The file is complete when each of those variants
+    has as many runs as the first has seeds; the planned variants with no run are listed as `not_run`."""
+    result = json.loads(path.read_text())
+    planned = list(result.get("variants", {}))
+    rows = [r for r in result["runs"] if variants is None or r["variant"] in variants]
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    seeds = {r["seed"] for r in rows}
+    is_complete = bool(rows) and all(sum(r["variant"] == n for r in rows) == len(seeds) for n in names) \
+        and (variants is None or set(variants) == set(names))
+    summary = summarize(rows, names)
+    print_table(summary)
+    not_run = [n for n in planned if n not in names]
+    if not_run:
+        print(f"no run of: {', '.join(not_run)}")
+    write_result(path, {"config": result["config"], "variants": {n: VARIANTS[n] for n in names},
+                        "not_run": not_run, "budget": BUDGET, "late_evaluations": LATE, "summary": summary,
+                        "runs": rows}, is_complete=is_complete)
+    config_file = None if not result["config"]["model"]["path"] else "configs/gpu_large.toml"
+    if plot(rows, names, path.with_suffix(".png"), plot_title(result["config"], config_file)):
+        print(f"wrote {path} ({'complete' if is_complete else 'cut short'}) and {path.with_suffix('.png').name}")
     return 0
 
 

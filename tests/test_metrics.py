@@ -146,3 +146,39 @@ def test_live_view_shows_sent_minus_received():
     assert row(frame, HOP_TRAINER)[1] == "?", frame  # the trainer end is down
     assert row(frame, HOP_ENGINE)[1] == "0", frame   # 7 issued, 7 back
     assert row(frame, "trainer")[1] == "down" and row(frame, "reward")[1] == "up", frame
+
+
+def test_a_steps_batch_and_loss_figures_reach_metrics_jsonl_prometheus_and_top(tmp_path):
+    """One step record built as the trainer builds it: its algorithm figures are in metrics.jsonl's line,
+    a skipped optimizer step counts on the Prometheus counter, and `top` shows the batch line."""
+    import json
+
+    from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics, StepStats
+    from nano_miles.observe.metrics import TrainerMetrics
+    from nano_miles.observe.run_record import StepRecord
+    from nano_miles.wire.data import ScoredGroup
+    samples = [Sample(np.arange(n, dtype=np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32), why)
+               for n, why in ((3, "stop"), (8, "length"), (5, "stop"), (5, "stop"))]
+    groups = [ScoredGroup(RolloutGroup(f"e0-i{i}", 0, np.arange(3, dtype=np.int32), samples[2 * i:2 * i + 2]),
+                          np.array(r, np.float32)) for i, r in enumerate(([1, 0], [1, 1]))]
+    learned = LearnResult(pg_loss=0.1, means=LossDiagnostics(clip_fraction=0.25, clip_low_fraction=0.05,
+                                                             clip_high_fraction=0.2, ratio_mean=1.01, ratio_max=1.9),
+                          num_skipped_steps=2, num_optimizer_steps=2, kl_old=[1e-4, 3e-4])
+    stats = StepStats.from_groups(groups, 1, learned, np.array([1.0, -1.0, 0.0, 0.0]))
+    record = StepRecord(step=1, version=1, stats=stats, wait_s=0.1, update_split_ms={}, queue_depth=0, goodput=None,
+                        num_generated_tokens=21, num_resumed_samples=0, group_ids=["e0-i0", "e0-i1"], drops={})
+    line = record.to_json()
+    assert (line["response_length_mean"], line["response_length_min"], line["response_length_max"]) == (5.25, 3, 8)
+    assert line["truncated_fraction"] == 0.25 and line["zero_std_fraction"] == 0.5
+    assert line["advantage_mean"] == 0.0 and line["advantage_std"] == pytest.approx(0.5 ** 0.5)
+    assert line["clip_low_fraction"] == 0.05 and line["ratio_max"] == 1.9 and line["kl_old"] == [1e-4, 3e-4]
+    cfg = load_config(overrides=[f"--trainer.metrics_port={free_port()}"])
+    metrics = TrainerMetrics(cfg, version=lambda: 1)
+    metrics.step_done(record)
+    assert metrics.registry.get_sample_value("nanomiles_skipped_optimizer_steps_total") == 2
+    assert metrics.registry.get_sample_value("nanomiles_clip_high_ratio") == 0.2
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    frame = View(stage_urls(cfg), tmp_path, is_color=False).frame()
+    batch = next(row for row in frame.splitlines() if row.startswith("batch:"))
+    assert "len 5.2 [3-8]" in batch and "trunc 25%" in batch and "zero-std 50%" in batch, batch
+    assert "clip low 5.0% high 20.0%" in batch and "kl(old||new) 3.00e-04" in batch and "SKIPPED 2" in batch, batch

@@ -231,7 +231,30 @@ def large(file: str, run: str, key: str, fmt) -> Fig:
     return F(file, "policies", "large", "runs", run, key, fmt=fmt)
 
 
+ALGORITHMS, ALGORITHMS_GPU = "algorithms.json", "gpu/algorithms_large.json"
+ALGORITHM_VARIANTS = ("default", "grpo_batch", "dr_grpo", "rloo", "reinforce_pp", "grpo_loss", "gspo", "cispo",
+                      "two_passes", "gspo_two_passes", "cispo_two_passes")
+GPU_ALGORITHM_VARIANTS = tuple(v for v in ALGORITHM_VARIANTS if v != "reinforce_pp")  # it did not finish
+
+
+def algorithm_row(variant: str) -> Claim:
+    """A row of the README's table of bench/algorithms.py on the CPU: late mean, gain mean [min, max], verdict."""
+    s = ("summary", variant)
+    return C(README, f"| {variant} | {{}} | {{}} [{{}}, {{}}] | {{}} |",
+             F(ALGORITHMS, *s, "late_mean", "mean", fmt=pct(1)), F(ALGORITHMS, *s, "gain", "mean", fmt=pct(1)),
+             F(ALGORITHMS, *s, "gain", "min", fmt=pct(1)), F(ALGORITHMS, *s, "gain", "max", fmt=pct(1)),
+             F(ALGORITHMS, *s, "verdict"))
+
+
+def gpu_algorithm_row(variant: str) -> Claim:
+    r = ("runs", {"variant": variant}, "figures")
+    return C(GPU, f"| {variant} | {{}} | {{}} | {{}} |", F(ALGORITHMS_GPU, *r, "start", fmt=pct(1)),
+             F(ALGORITHMS_GPU, *r, "late_mean", fmt=pct(1)), F(ALGORITHMS_GPU, *r, "gain", fmt=pct(1)))
+
+
 CLAIMS = [
+    *(algorithm_row(v) for v in ALGORITHM_VARIANTS),
+    *(gpu_algorithm_row(v) for v in GPU_ALGORITHM_VARIANTS),
     # README.md, "How fast is it?" and bench/results/gpu/README.md: against TRL's GRPOTrainer
     *(vs_trl_row(README, p, run, f"{label if run == 'sync' else ''} | {RUN_LABELS[run]}", full=False)
       for p, label in (("medium", "medium (3.2 M)"), ("large", "large (39.5 M)")) for run in ("sync", "async", "trl")),
