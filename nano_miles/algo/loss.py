@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nano_miles.algo.diagnostics import LossDiagnostics
@@ -81,13 +82,14 @@ def safe_log_ratio(values: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.nan_to_num(values, nan=0.0), -MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
-def unusable_logprobs(logprobs: torch.Tensor) -> str | None:
-    """Why no loss should train on a sample with these engine log-probs, or None: a NaN or infinity
-    ("nonfinite_logprob"), or a value below LOGPROB_FLOOR ("impossible_logprob": the engine sampled
-    a token it gives no probability, so its ratio says nothing)."""
-    if not torch.isfinite(logprobs).all():
+def unusable_logprobs(logprobs) -> str | None:
+    """Why no loss should train on a sample with these engine log-probs (any 1-D array), or None: a NaN or
+    infinity ("nonfinite_logprob"), or a value below LOGPROB_FLOOR ("impossible_logprob": the engine
+    sampled a token it gives no probability, so its ratio says nothing)."""
+    values = np.asarray(logprobs, dtype=np.float64)  # the wire's read-only arrays as they are, no copy to torch
+    if not np.isfinite(values).all():
         return "nonfinite_logprob"
-    if len(logprobs) and float(logprobs.min()) < LOGPROB_FLOOR:
+    if values.size and values.min() < LOGPROB_FLOOR:
         return "impossible_logprob"
     return None
 

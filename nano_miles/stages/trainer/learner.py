@@ -189,7 +189,7 @@ class Learner:
         rows, dropped = [], {}
         for i, s in enumerate(samples):
             reason = TRUNCATED if self.cfg.mask_truncated and s.finish_reason == "length" \
-                else unusable_logprobs(torch.as_tensor(np.asarray(s.logprobs)))
+                else unusable_logprobs(s.logprobs)
             if reason is None:
                 rows.append(i)
             else:
