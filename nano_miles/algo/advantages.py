@@ -37,7 +37,7 @@ def has_signal(rewards) -> bool:
 
 
 def _guarded(groups: list[torch.Tensor], advantages: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Exactly 0 for every group without signal; float32 out."""
+    """Exactly 0 for every group without signal."""
     return [torch.zeros_like(a) if _std(r) < ZERO_STD else a for r, a in zip(groups, advantages)]
 
 

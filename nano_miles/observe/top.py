@@ -103,7 +103,8 @@ class View:
         lines += ["", f"{'hop':<20}{'depth':>6}  history (groups waiting)"]
         for hop, depth in depths.items():
             lines.append(f"{hop:<20}{fmt(depth):>6}  {sparkline(self.history[hop])}")
-        lines += ["", *self.rates(snaps), "", self.step_line(), self.algorithm_line()]
+        record = last_step(self.run_dir)  # read once a frame: the file's tail is 64 KiB
+        lines += ["", *self.rates(snaps), "", self.step_line(record), self.algorithm_line(record)]
         self.previous = snaps
         return "\n".join(lines)
 
@@ -127,8 +128,8 @@ class View:
                 f"reward {fmt(reward_mean, '.3f')}   accuracy {fmt(accuracy and 100 * accuracy, '.1f')}%   "
                 + "   ".join(stale) + ("" if reward else "   (reward down)")]
 
-    def step_line(self) -> str:
-        r = last_step(self.run_dir)
+    @staticmethod
+    def step_line(r: dict | None) -> str:
         if r is None or "reward" not in r:
             return "last step: none yet"
         phases = " ".join(f"{k} {v:.2f}s" for k, v in r.get("phase_s", {}).items())
@@ -137,9 +138,9 @@ class View:
                 f"{acc}step {r['step_s']:.2f}s | {phases}")
 
 
-    def algorithm_line(self) -> str:
+    @staticmethod
+    def algorithm_line(r: dict | None) -> str:
         """What the last step's batch and loss looked like (lengths, signal, advantages, ratios, clipping)."""
-        r = last_step(self.run_dir)
         if r is None or "response_length_mean" not in r:
             return ""
         parts = [f"len {r['response_length_mean']:.1f} [{r['response_length_min']}-{r['response_length_max']}]",

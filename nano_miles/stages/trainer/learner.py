@@ -211,15 +211,13 @@ class Learner:
 
     def advantages(self, samples: list[TrainSample], parts: list[Part]) -> np.ndarray:
         """Each sample's advantage, from its group's rewards (less the KL penalty with kl_in = reward)."""
-        rewards = np.array([s.reward for s in samples], np.float64)
+        rewards = np.array([s.reward for s in samples], np.float64)  # float32 values (the wire's), exactly
         if self.reference is not None and self.cfg.kl_in == "reward":
             for p in parts:  # KL of the behaviour policy to the reference, summed over each response
                 kl = kl_terms(p.old_logp, p.ref_logp, p.batch.loss_mask, self.cfg.kl_estimator).sum(dim=1)
                 rewards[p.rows] -= self.cfg.kl_coef * kl.double().cpu().numpy()
         groups = sorted({s.group for s in samples})
         members = [[i for i, s in enumerate(samples) if s.group == g] for g in groups]
-        if self.reference is None or self.cfg.kl_in != "reward":
-            rewards = rewards.astype(np.float32)  # as the wire carried them: the arithmetic of every earlier run
         out = np.zeros(len(samples), np.float32)
         for idx, adv in zip(members, estimators.estimate(self.cfg.advantage, [rewards[m] for m in members],
                                                          self.cfg.scale_rewards)):
