@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.learning_runs import run_once, seed_list  # noqa: E402
+from harness.learning_runs import add_study_arguments, run_once  # noqa: E402
 from harness.result_file import write_result  # noqa: E402
 from harness.verdict import Spread  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
@@ -57,13 +57,6 @@ VARIANTS = {
     "cispo_two_passes": ["--trainer.loss=cispo", "--trainer.eps_clip_high=4.0", "--trainer.num_iterations=2",
                          "--trainer.mini_batches=2"],
 }
-
-
-def variant_list(text: str) -> list[str]:
-    names = text.split(",")
-    if not set(names) <= set(VARIANTS):
-        raise argparse.ArgumentTypeError(f"takes variants of {', '.join(VARIANTS)}, comma-separated, not {text!r}")
-    return names
 
 
 def figures(evals: list[dict]) -> dict:
@@ -139,15 +132,7 @@ def main(argv: list[str]) -> int:
     from nano_miles.run.config import ConfigError, is_override, load_config
     parser = ArgumentParser(prog="python bench/algorithms.py", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", type=variant_list, default=list(VARIANTS), help="which, comma-separated")
-    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="run.seed of each run, e.g. 0,1,2")
-    parser.add_argument("--config", type=lambda v: str(Path(v).resolve()), default=None,
-                        help="the TOML file every stage reads (default configs/default.toml)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
-    parser.add_argument("--name", default="algorithms", help="their name without suffix")
-    parser.add_argument("--jobs", type=int, default=1, help="pipelines run at once")
-    parser.add_argument("--keep-runs", type=Path, default=None, help="keep the run directories here (and reuse "
-                                                                      "finished ones)")
+    add_study_arguments(parser, VARIANTS, RESULTS, "algorithms", "their name without suffix")
     parser.add_argument("--report", type=Path, default=None,
                         help="run nothing: read this result file (also one cut short), keep the runs of --variants "
                              "(default: those it has), write it back with their table and draw its PNG")

@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from harness.learning_runs import WORD_PROBLEMS, run_once, seed_list  # noqa: E402
+from harness.learning_runs import WORD_PROBLEMS, add_study_arguments, run_once  # noqa: E402
 from harness.result_file import write_result  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, run  # noqa: E402
 
@@ -118,30 +118,15 @@ def plot(rows: list[dict], out: Path, title: str) -> bool:
     return True
 
 
-def variant_list(text: str) -> list[str]:
-    names = text.split(",")
-    if not names or not set(names) <= set(VARIANTS):
-        raise argparse.ArgumentTypeError(f"takes variants of {', '.join(VARIANTS)}, comma-separated, not {text!r}")
-    return names
-
-
 def main(argv: list[str]) -> int:
     from nano_miles.run.config import ConfigError, is_override, load_config
     parser = ArgumentParser(prog="python bench/learning.py", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", type=variant_list, default=list(VARIANTS), help="which runs, comma-separated")
-    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="run.seed of each run, e.g. 0,1,2")
+    add_study_arguments(parser, VARIANTS, RESULTS, None, "their name without suffix (default learning, or "
+                                                          "learning_word_problems)")
     parser.add_argument("--habit-free", type=lambda v: Path(v).resolve(), default=HABIT_FREE,
                         help="the habit-free policy directory (default nano_miles/assets/policy_habit_free)")
     parser.add_argument("--word-problems", action="store_true", help="the own-data example instead")
-    parser.add_argument("--config", type=lambda v: str(Path(v).resolve()), default=None,
-                        help="the TOML file every stage reads (default configs/default.toml)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
-    parser.add_argument("--name", default=None, help="their name without suffix (default learning, or "
-                                                      "learning_word_problems)")
-    parser.add_argument("--jobs", type=int, default=1, help="pipelines run at once")
-    parser.add_argument("--keep-runs", type=Path, default=None, help="keep the run directories here (and reuse "
-                                                                      "finished ones)")
     args = parser.parse_args([a for a in argv if not is_override(a)])
     argv = [a for a in argv if is_override(a)]
     if args.config is not None:  # every stage reads the same file

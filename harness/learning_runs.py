@@ -98,3 +98,22 @@ def seed_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes a comma-separated list of integers, not {text!r}") from None
+
+
+def add_study_arguments(parser, variants, out: Path, name_default: str | None, name_help: str) -> None:
+    """The options a learning study takes (`bench/learning.py`, `bench/algorithms.py`): which variants and
+    seeds, the config every stage reads, where the results and the run directories go, pipelines at once."""
+    def variant_list(text: str) -> list[str]:
+        names = text.split(",")
+        if not set(names) <= set(variants):
+            raise argparse.ArgumentTypeError(f"takes variants of {', '.join(variants)}, comma-separated, not {text!r}")
+        return names
+    parser.add_argument("--variants", type=variant_list, default=list(variants), help="which runs, comma-separated")
+    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="run.seed of each run, e.g. 0,1,2")
+    parser.add_argument("--config", type=lambda v: str(Path(v).resolve()), default=None,
+                        help="the TOML file every stage reads (default configs/default.toml)")
+    parser.add_argument("--out", type=Path, default=out, help="where the JSON and PNG go")
+    parser.add_argument("--name", default=name_default, help=name_help)
+    parser.add_argument("--jobs", type=int, default=1, help="pipelines run at once")
+    parser.add_argument("--keep-runs", type=Path, default=None, help="keep the run directories here (and reuse "
+                                                                      "finished ones)")
