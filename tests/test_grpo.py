@@ -63,10 +63,28 @@ def test_batch_with_padding_inside_keeps_every_row_aligned(policy_dir):
 
 
 def test_batch_rejects_inconsistent_samples():
-    with pytest.raises(ValueError, match="len\\(logprobs\\) == R"):
+    with pytest.raises(ValueError, match="len\\(logprobs\\) == len\\(mask\\) == R"):
         assemble_batch([np.array([1])], [np.array([2, 3])], [np.array([-1.0])], [0.0], pad_id=0)
     with pytest.raises(ValueError, match="P >= 1"):
         assemble_batch([np.array([], dtype=np.int64)], [np.array([2])], [np.array([-1.0])], [0.0], 0)
+    with pytest.raises(ValueError, match="mask=1"):
+        assemble_batch([np.array([1])], [np.array([2, 3])], [np.array([-1.0, -1.0])], [0.0], 0, [np.array([True])])
+
+
+def test_a_trajectory_trains_its_model_tokens_and_reads_the_environments():
+    """Prompt [1, 2]; the model wrote 3, 4; a tool wrote 5, 6; the model wrote 7. Every token is read
+    (input and attention), only the model's are targets of the loss, with their advantage and logprob."""
+    mask = np.array([1, 1, 0, 0, 1], bool)
+    b = assemble_batch([np.array([1, 2])], [np.array([3, 4, 5, 6, 7])],
+                       [np.array([-0.1, -0.2, 0.0, 0.0, -0.3], np.float32)], [2.0], pad_id=0, masks=[mask])
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]] and b.targets.tolist() == [[2, 3, 4, 5, 6, 7]]
+    assert b.attention_mask.tolist() == [[1] * 6]
+    assert b.loss_mask.tolist() == [[False, True, True, False, False, True]]
+    assert b.advantages.tolist() == [[0.0, 2.0, 2.0, 0.0, 0.0, 2.0]]
+    assert b.old_logprobs[0].tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, 0.0, -0.3])
+    assert b.num_tokens == 3
+    every = assemble_batch([np.array([1, 2])], [np.array([3, 4, 5, 6, 7])], [np.zeros(5, np.float32)], [2.0], 0)
+    assert every.loss_mask.sum() == 5  # without a mask, every response token is the model's
 
 
 class Bigram(torch.nn.Module):

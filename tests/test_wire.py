@@ -35,18 +35,25 @@ def f32(*values):
     return np.array(values, dtype=np.float32)
 
 
-def fixed_group() -> RolloutGroup:
-    """A small group with every field set; its bytes are the golden file."""
+def u8(*values):
+    return np.array(values, dtype=np.uint8)
+
+
+def fixed_group(version: int = 4) -> RolloutGroup:
+    """A small group with every field set; its bytes are the golden file. From v4 on its first sample
+    is a trajectory of two turns (the model's 5, 6; the environment's 7; the model's 2); before, every
+    sample was one turn."""
+    first = (Sample(i32(5, 6, 7, 2), f32(-0.5, -1.25, 0.0, -3.0), i32(4, 4, -1, 5), "stop", u8(1, 1, 0, 1))
+             if version >= 4 else Sample(i32(5, 6, 7, 2), f32(-0.5, -1.25, -0.0, -3.0), i32(4, 4, 5, 5), "stop"))
     return RolloutGroup(
         group_id=make_group_id(2, 123), attempt=1, prompt_tokens=i32(1, 17, 4099),
-        samples=[Sample(i32(5, 6, 7, 2), f32(-0.5, -1.25, -0.0, -3.0), i32(4, 4, 5, 5), "stop"),
-                 Sample(i32(8, 9), f32(-0.75, -2.0), i32(4, 4), "length")],
+        samples=[first, Sample(i32(8, 9), f32(-0.75, -2.0), i32(4, 4), "length")],
         metadata={"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False},
         timestamps={"rollout": 1767225600.25, "reward": 1767225601.5}, run_id="3f9a2c71d0be")
 
 
-def fixed_scored() -> ScoredGroup:
-    return ScoredGroup(fixed_group(), rewards=f32(1.0, 0.0),
+def fixed_scored(version: int = 4) -> ScoredGroup:
+    return ScoredGroup(fixed_group(version), rewards=f32(1.0, 0.0),
                        reward_parts={"format": f32(1.0, 1.0), "accuracy": f32(1.0, 0.0)})
 
 
@@ -64,8 +71,8 @@ def fixed_controls() -> dict[str, bytes]:
             "reply_status": encode_reply("trainer-1-42", "c0ffee", fixed_status().to_result())}
 
 
-# schema version of each golden message: data plane v3, control plane v5
-GOLDEN_VERSIONS = {"rollout": 3, "scored": 3, "request_restore": 5, "reply_status": 5}
+# schema version of each golden message: data plane v4, control plane v5
+GOLDEN_VERSIONS = {"rollout": 4, "scored": 4, "request_restore": 5, "reply_status": 5}
 
 
 def golden_messages() -> dict[str, bytes]:
@@ -82,22 +89,33 @@ def test_golden_bytes(name):
 
 
 def test_golden_decodes_back_equal():
-    assert decode_rollout((GOLDEN / "rollout_v3.msgpack").read_bytes()) == fixed_group()
-    scored = decode_scored((GOLDEN / "scored_v3.msgpack").read_bytes())
+    assert decode_rollout((GOLDEN / "rollout_v4.msgpack").read_bytes()) == fixed_group()
+    scored = decode_scored((GOLDEN / "scored_v4.msgpack").read_bytes())
     assert scored == fixed_scored()
     assert scored != ScoredGroup(fixed_group(), f32(1, 1))  # equality is not vacuous
+    assert scored.group != fixed_group(version=3)  # nor blind to the mask
     assert not scored.rewards.flags.writeable  # a zero-copy view over the received bytes
+    first = scored.group.samples[0]
+    assert first.loss_mask.tolist() == [1, 1, 0, 1] and first.num_model_tokens == 3
+    assert (first.oldest_version, first.newest_version) == (4, 5)  # the environment's token has none
 
 
-def test_version_2_messages_still_decode_and_their_advantages_are_ignored():
-    """A reward stage started before an upgrade sends v2 (with advantages) while the run goes on; the
-    trainer computes its own advantages, so the group is the same one."""
-    assert decode_rollout((GOLDEN / "rollout_v2.msgpack").read_bytes()) == fixed_group()
+def test_version_3_and_2_messages_still_decode_as_single_turn_samples():
+    """A stage started before an upgrade may send v3 (single-turn samples, no mask) or v2 (with
+    advantages) while the run goes on; every token of theirs is the model's, and the trainer computes
+    its own advantages, so the group is the same one."""
+    for version in (2, 3):
+        group = decode_rollout((GOLDEN / f"rollout_v{version}.msgpack").read_bytes())
+        assert group == fixed_group(version=3) and all(s.loss_mask is None for s in group.samples)
+        assert group.samples[0].model_mask.all()
     v2 = (GOLDEN / "scored_v2.msgpack").read_bytes()
-    assert "advantages" in msgpack.unpackb(v2) and decode_scored(v2) == fixed_scored()
+    assert "advantages" in msgpack.unpackb(v2) and decode_scored(v2) == fixed_scored(version=3)
     assert msgpack.packb(hand_built_map("scored", version=2)) == v2
-    with pytest.raises(WireError, match=r"v: unknown schema version 4 \(known: \[2, 3\]\)"):
-        decode_scored(msgpack.packb({**hand_built_map("scored"), "v": 4}))
+    assert msgpack.packb(hand_built_map("scored", version=3)) == (GOLDEN / "scored_v3.msgpack").read_bytes()
+    with pytest.raises(WireError, match=r"v: unknown schema version 5 \(known: \[2, 3, 4\]\)"):
+        decode_scored(msgpack.packb({**hand_built_map("scored"), "v": 5}))
+    with pytest.raises(WireError, match=r"samples\[0\].loss_mask: missing"):  # v4 needs it
+        decode_scored(msgpack.packb({**hand_built_map("scored", version=3), "v": 4}))
 
 
 def test_versions_that_go_down_travel_and_count_from_their_oldest():
@@ -117,16 +135,23 @@ def le_bytes(fmt: str, *values) -> bytes:
     return struct.pack(f"<{len(values)}{fmt}", *values)
 
 
-def hand_built_map(kind: str, version: int = 3) -> dict:
+def hand_built_map(kind: str, version: int = 4) -> dict:
     """The golden group laid out by hand from the schema in nano_miles/wire/data.py (key order as sent);
-    `version` 2: the previous layout, whose scored groups carried advantages."""
+    `version` 3: the previous layout, single-turn samples without a mask; 2: the one before, whose
+    scored groups carried advantages."""
+    if version >= 4:
+        samples = [{"response_tokens": le_bytes("i", 5, 6, 7, 2), "logprobs": le_bytes("f", -0.5, -1.25, 0.0, -3.0),
+                    "versions": le_bytes("i", 4, 4, -1, 5), "loss_mask": bytes([1, 1, 0, 1]),
+                    "finish_reason": "stop"},
+                   {"response_tokens": le_bytes("i", 8, 9), "logprobs": le_bytes("f", -0.75, -2.0),
+                    "versions": le_bytes("i", 4, 4), "loss_mask": bytes([1, 1]), "finish_reason": "length"}]
+    else:
+        samples = [{"response_tokens": le_bytes("i", 5, 6, 7, 2), "logprobs": le_bytes("f", -0.5, -1.25, -0.0, -3.0),
+                    "versions": le_bytes("i", 4, 4, 5, 5), "finish_reason": "stop"},
+                   {"response_tokens": le_bytes("i", 8, 9), "logprobs": le_bytes("f", -0.75, -2.0),
+                    "versions": le_bytes("i", 4, 4), "finish_reason": "length"}]
     m = {"v": version, "kind": kind, "run_id": "3f9a2c71d0be", "group_id": "e2-i123", "attempt": 1,
-         "prompt_tokens": le_bytes("i", 1, 17, 4099),
-         "samples": [{"response_tokens": le_bytes("i", 5, 6, 7, 2),
-                      "logprobs": le_bytes("f", -0.5, -1.25, -0.0, -3.0),
-                      "versions": le_bytes("i", 4, 4, 5, 5), "finish_reason": "stop"},
-                     {"response_tokens": le_bytes("i", 8, 9), "logprobs": le_bytes("f", -0.75, -2.0),
-                      "versions": le_bytes("i", 4, 4), "finish_reason": "length"}],
+         "prompt_tokens": le_bytes("i", 1, 17, 4099), "samples": samples,
          "metadata": {"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False},
          "timestamps": {"rollout": 1767225600.25, "reward": 1767225601.5}}
     if kind == "scored":
@@ -141,7 +166,7 @@ def hand_built_map(kind: str, version: int = 3) -> dict:
 def test_hand_built_bytes_decode_field_by_field_and_are_the_golden_files():
     """An independent check of the golden files: bytes packed here without the project's encoder."""
     for kind in ("rollout", "scored"):
-        assert msgpack.packb(hand_built_map(kind)) == (GOLDEN / f"{kind}_v3.msgpack").read_bytes(), kind
+        assert msgpack.packb(hand_built_map(kind)) == (GOLDEN / f"{kind}_v4.msgpack").read_bytes(), kind
     data = msgpack.packb(hand_built_map("scored"))
     scored = decode_scored(data)
     g = scored.group
@@ -152,8 +177,10 @@ def test_hand_built_bytes_decode_field_by_field_and_are_the_golden_files():
     assert all(a.dtype.str in ("<i4", "<f4") for a in arrays)
     assert g.prompt_tokens.tolist() == [1, 17, 4099]
     assert [s.response_tokens.tolist() for s in g.samples] == [[5, 6, 7, 2], [8, 9]]
-    assert [s.logprobs.tolist() for s in g.samples] == [[-0.5, -1.25, -0.0, -3.0], [-0.75, -2.0]]
-    assert [s.versions.tolist() for s in g.samples] == [[4, 4, 5, 5], [4, 4]]
+    assert [s.logprobs.tolist() for s in g.samples] == [[-0.5, -1.25, 0.0, -3.0], [-0.75, -2.0]]
+    assert [s.versions.tolist() for s in g.samples] == [[4, 4, -1, 5], [4, 4]]
+    assert [s.loss_mask.tolist() for s in g.samples] == [[1, 1, 0, 1], [1, 1]]
+    assert all(s.loss_mask.dtype == np.uint8 for s in g.samples)
     assert [s.finish_reason for s in g.samples] == ["stop", "length"]
     assert g.metadata == {"label": "42", "difficulty": 3, "weight": 0.5, "is_synthetic": False}
     assert g.timestamps == {"rollout": 1767225600.25, "reward": 1767225601.5}
@@ -221,7 +248,7 @@ def s0(m):
 ROLLOUT_CASES = [
     # (what, mutation of the raw map, text the error must contain)
     ("missing kind", lambda m: m.pop("kind"), "kind: missing"),
-    ("unknown version", lambda m: m.update(v=1), r"v: unknown schema version 1 \(known: \[2, 3\]\)"),
+    ("unknown version", lambda m: m.update(v=1), r"v: unknown schema version 1 \(known: \[2, 3, 4\]\)"),
     ("missing run id", lambda m: m.pop("run_id"), "run_id: missing"),
     ("empty run id", lambda m: m.update(run_id=""), "run_id: expected a string of 1..128 chars"),
     ("missing version", lambda m: m.pop("v"), "v: unknown schema version None"),
@@ -244,9 +271,22 @@ ROLLOUT_CASES = [
      r"samples\[0\].logprobs: non-finite value nan at position 1"),
     ("inf logprob", lambda m: s0(m).update(logprobs=f32(-1, -1, -1, -np.inf).tobytes()),
      r"samples\[0\].logprobs: non-finite value -inf at position 3"),
-    ("negative version", lambda m: s0(m).update(versions=i32(0, 0, -1, 0).tobytes()),
-     r"samples\[0\].versions: negative version -1 at position 2"),
-    ("empty response", lambda m: s0(m).update(response_tokens=b"", logprobs=b"", versions=b""),
+    ("negative version", lambda m: s0(m).update(versions=i32(0, -2, -1, 0).tobytes()),
+     r"samples\[0\].versions: negative version -2 at position 1"),
+    ("negative version, one turn", lambda m: m["samples"][1].update(versions=i32(0, -1).tobytes()),
+     r"samples\[1\].versions: negative version -1 at position 1"),
+    ("mask length", lambda m: s0(m).update(loss_mask=bytes([1, 1, 1])),
+     r"samples\[0\].loss_mask: length 3 != response_tokens length 4"),
+    ("mask value", lambda m: s0(m).update(loss_mask=bytes([1, 2, 0, 1])),
+     r"samples\[0\].loss_mask: value 2 at position 1 is neither 0 nor 1"),
+    ("mask without a model token", lambda m: s0(m).update(loss_mask=bytes(4)),
+     r"samples\[0\].loss_mask: no token is the model's"),
+    ("environment token with a version", lambda m: s0(m).update(versions=i32(4, 4, 3, 5).tobytes()),
+     r"samples\[0\]: token 2 is the environment's \(loss_mask 0\) but has version 3 and logprob 0.0"),
+    ("environment token with a logprob", lambda m: s0(m).update(logprobs=f32(-0.5, -1, -0.25, -3).tobytes()),
+     r"samples\[0\]: token 2 is the environment's \(loss_mask 0\) but has version -1 and logprob -0.25"),
+    ("missing mask", lambda m: m["samples"][1].pop("loss_mask"), r"samples\[1\].loss_mask: missing"),
+    ("empty response", lambda m: s0(m).update(response_tokens=b"", logprobs=b"", versions=b"", loss_mask=b""),
      r"samples\[0\].response_tokens: empty"),
     ("bad finish reason", lambda m: s0(m).update(finish_reason="eos"), r"samples\[0\].finish_reason: 'eos' not in"),
     ("sample not a map", lambda m: m["samples"].append(3), r"samples\[2\]: expected a map, got int"),

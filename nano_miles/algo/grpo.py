@@ -6,7 +6,8 @@ Alignment (TITO). A sample is `prompt` (P ids) + `response` (R ids), exactly as 
 produced them; nothing is re-tokenized. The model reads `input = tokens[:-1]` and predicts
 `target = tokens[1:]`, so response token j (0-based) is predicted at position P - 1 + j and the
 response occupies prediction positions [P-1, P+R-1): exactly R of them. Loss mask, advantages and
-behaviour logprobs are zero on prompt and padding positions.
+behaviour logprobs are zero on prompt and padding positions, and, in a multi-turn trajectory, on the
+tokens its environment wrote between the model's turns (the sample's mask): those are read, not trained.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class TokenBatch:
     input_ids: torch.Tensor       # (B, T-1) int64, tokens[:-1]
     targets: torch.Tensor         # (B, T-1) int64, tokens[1:]
     attention_mask: torch.Tensor  # (B, T-1) int64, 1 on real tokens
-    loss_mask: torch.Tensor       # (B, T-1) bool, True exactly on the response's R positions
+    loss_mask: torch.Tensor       # (B, T-1) bool, True exactly on the positions of the response's model tokens
     advantages: torch.Tensor      # (B, T-1) float32, the sample's advantage on loss_mask, else 0
     old_logprobs: torch.Tensor    # (B, T-1) float32, behaviour (engine) logprobs on loss_mask, else 0
 
@@ -37,8 +38,9 @@ class TokenBatch:
 
 
 def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: list,
-                   pad_id: int) -> TokenBatch:
-    """Build a `TokenBatch` from per-sample token id / logprob arrays and scalar advantages."""
+                   pad_id: int, masks: list | None = None) -> TokenBatch:
+    """Build a `TokenBatch` from per-sample token id / logprob arrays and scalar advantages; `masks[i]`
+    (bool, R) marks the response tokens that train (None, or a None entry: all of them)."""
     if not (len(prompts) == len(responses) == len(logprobs) == len(advantages)) or not prompts:
         raise ValueError("prompts, responses, logprobs and advantages must be equal, non-empty lists")
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
@@ -49,17 +51,18 @@ def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: l
     adv = np.zeros((batch, width), dtype=np.float32)
     old = np.zeros((batch, width), dtype=np.float32)
     attention = np.zeros((batch, width), dtype=np.int64)
-    for i, (p, r, lp, a) in enumerate(zip(prompts, responses, logprobs, advantages)):
+    for i, (p, r, lp, a, m) in enumerate(zip(prompts, responses, logprobs, advantages, masks or [None] * batch)):
         num_prompt, num_resp = len(p), len(r)
-        if num_prompt < 1 or len(lp) != num_resp:
-            raise ValueError(f"sample {i}: need P >= 1 and len(logprobs) == R "
-                             f"(P={num_prompt}, R={num_resp}, logprobs={len(lp)})")
+        if num_prompt < 1 or len(lp) != num_resp or (m is not None and len(m) != num_resp):
+            raise ValueError(f"sample {i}: need P >= 1 and len(logprobs) == len(mask) == R "
+                             f"(P={num_prompt}, R={num_resp}, logprobs={len(lp)}, mask={None if m is None else len(m)})")
         tokens[i, :num_prompt] = p
         tokens[i, num_prompt:num_prompt + num_resp] = r
         span = slice(num_prompt - 1, num_prompt - 1 + num_resp)
-        loss_mask[i, span] = True
-        adv[i, span] = a
-        old[i, span] = lp
+        trained = True if m is None else np.asarray(m, bool)
+        loss_mask[i, span] = trained
+        adv[i, span] = np.where(trained, a, 0.0)
+        old[i, span] = np.where(trained, lp, 0.0)
         attention[i, :min(num_prompt + num_resp, width)] = 1  # real input tokens
     return TokenBatch(
         input_ids=torch.from_numpy(tokens[:, :-1].copy()),

@@ -191,8 +191,14 @@ def rollout_line(step: int, scored, advantages) -> dict:
             "label": group.metadata.get("label"), "prompt_ids": group.prompt_tokens.tolist(),
             "samples": [{"response_ids": s.response_tokens.tolist(), "logprobs": s.logprobs.tolist(),
                          "versions": s.versions.tolist(), "finish_reason": s.finish_reason,
-                         "reward": float(r), "advantage": float(a)}
+                         "reward": float(r), "advantage": float(a), **_mask_of(s)}
                         for s, r, a in zip(group.samples, scored.rewards, advantages)]}
+
+
+def _mask_of(sample) -> dict:
+    """A trajectory's loss mask, where some of its tokens are the environment's (none to show otherwise)."""
+    mask = sample.model_mask
+    return {} if mask.all() else {"loss_mask": mask.astype(int).tolist()}
 
 
 def sample_lines(step: int, scored, advantages, decode, num: int) -> list[dict]:
@@ -203,13 +209,16 @@ def sample_lines(step: int, scored, advantages, decode, num: int) -> list[dict]:
     lines = []
     for g, a, i in picked:
         sample = g.group.samples[i]
-        lines.append({"step": step, "group_id": g.group.group_id, "sample": i,
-                      "version": int(sample.versions.min()) if len(sample.versions) else None,
+        turns = sample.turns
+        lines.append({"step": step, "group_id": g.group.group_id, "sample": i, "version": sample.oldest_version,
                       "label": g.group.metadata.get("label"), "prompt": decode(g.group.prompt_tokens),
                       "response": decode(sample.response_tokens), "num_prompt_tokens": len(g.group.prompt_tokens),
                       "num_response_tokens": len(sample.response_tokens), "finish_reason": sample.finish_reason,
                       "reward": float(g.rewards[i]), "advantage": float(a[i]),
-                      "reward_parts": {k: float(v[i]) for k, v in sorted(g.reward_parts.items())}})
+                      "reward_parts": {k: float(v[i]) for k, v in sorted(g.reward_parts.items())},
+                      # several turns: each one's text, and whether its tokens trained (the model's did)
+                      **({"turns": [{"trained": is_model, "text": decode(sample.response_tokens[a:b])}
+                                    for a, b, is_model in turns]} if len(turns) > 1 else {})})
     return lines
 
 

@@ -4,7 +4,8 @@ Run: python -m nano_miles.observe.samples [RUN_DIR] [--num N] [--step K]   (defa
 
 The trainer keeps `metrics.samples_per_step` samples of every step it trains: the prompt exactly as
 it was sent (chat template and special tokens included), the response as generated (its stop token
-included), token counts, the reward and its parts, and the weight version that generated it.
+included), token counts, the reward and its parts, and the weight version that generated it. A
+multi-turn sample is shown turn by turn, each marked as the model's (trained) or its environment's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def format_sample(s: dict) -> str:
     head = (f"step {s['step']} | {s['group_id']} sample {s['sample']} | version {s['version']} | "
             f"reward {s['reward']:g}{' (' + parts + ')' if parts else ''} | advantage {s['advantage']:+.3f} | "
             f"{s['num_prompt_tokens']} prompt + {s['num_response_tokens']} response tokens, {s['finish_reason']}")
-    return "\n".join([RULE, head, f"label: {s['label']}", "prompt:", s["prompt"], "response:", s["response"]])
+    if "turns" not in s:
+        return "\n".join([RULE, head, f"label: {s['label']}", "prompt:", s["prompt"], "response:", s["response"]])
+    turns = [f"[{'model, trained' if t['trained'] else 'environment, not trained'}]\n{t['text']}" for t in s["turns"]]
+    return "\n".join([RULE, head, f"label: {s['label']}", "prompt:", s["prompt"], "trajectory:", *turns])
 
 
 def main(argv: list[str]) -> int:

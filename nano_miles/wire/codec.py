@@ -13,8 +13,9 @@ import re
 
 import msgpack
 
-SCHEMA_VERSION = 3            # 2: every group carries its run's id; 3: scored groups carry no advantages
-KNOWN_SCHEMA_VERSIONS = (2, 3)  # a v2 message decodes as v3: its advantages are an unknown key now
+SCHEMA_VERSION = 4  # 2: every group carries its run's id; 3: scored groups carry no advantages;
+                    # 4: a sample is a trajectory with a per-token loss mask
+KNOWN_SCHEMA_VERSIONS = (2, 3, 4)  # v2 and v3 decode as single-turn v4 (v2's advantages: an unknown key)
 
 # Limits. The byte limit is checked before unpacking; the others also bound what msgpack allocates.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024

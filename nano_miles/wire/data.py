@@ -14,11 +14,13 @@ same checks, so a bad group fails loudly where it was built, not one hop later.
 Forward compatibility. Unknown keys in any map are ignored, so a newer sender may add a field without
 breaking older receivers; changing or removing the meaning of a field needs a new `v`.
 
-Versions. v3 (sent now): a scored group carries rewards and reward parts, no advantages: the trainer
-computes them over its step (`nano_miles/algo/advantages.py`), so an estimator that looks at the whole
-batch needs no change here. v2 (still decoded): the same layout plus `advantages`, which a reward stage
-started before an upgrade may still send while the run goes on; the decoder ignores that key, as any
-unknown one. The rollout layout is the same in both.
+Versions. v4 (sent now): a sample is a trajectory, with a per-token `loss_mask` (uint8 bytes): 1 on the
+model's tokens, 0 on the tokens its environment wrote between turns (a tool's result, the next turn's
+header), which carry version -1 and logprob 0. v3 (still decoded, as single-turn samples: every token
+the model's): a scored group carries rewards and reward parts, no advantages: the trainer computes
+them over its step (`nano_miles/algo/advantages.py`). v2 (still decoded): v3 plus `advantages`, which
+a reward stage started before an upgrade may still send while the run goes on; the decoder ignores
+that key, as any unknown one.
 """
 
 from __future__ import annotations
@@ -36,36 +38,65 @@ from nano_miles.wire.codec import (MAX_MAP_ITEMS, MAX_MESSAGE_BYTES, MAX_SAMPLES
 FINISH_REASONS = ("stop", "length", "abort")
 TOKEN_DTYPE = np.dtype("<i4")
 FLOAT_DTYPE = np.dtype("<f4")
+MASK_DTYPE = np.dtype("u1")
+NO_VERSION = -1  # the version of a token the environment wrote: no weights generated it
 # ---------------------------------------------------------------- messages
 
 
 @dataclass(eq=False)
 class Sample:
-    """One generated response. Invariants: all three arrays have the same length R >= 1."""
+    """One trajectory after the prompt: the model's tokens and, in a multi-turn rollout, the tokens its
+    environment wrote between turns, in the order the engine saw them. Invariants: every array has the
+    same length R >= 1, and at least one token is the model's."""
 
     response_tokens: np.ndarray  # int32 (R,): token ids, >= 0, never re-tokenized
-    logprobs: np.ndarray         # float32 (R,): behaviour-policy logprob of each token (nats), finite
-    versions: np.ndarray         # int32 (R,): weight version that generated each token, >= 0, in token
+    logprobs: np.ndarray         # float32 (R,): behaviour-policy logprob of each model token (nats), finite;
+                                 # 0 on the environment's tokens
+    versions: np.ndarray         # int32 (R,): weight version that generated each model token, >= 0, in token
                                  # order: a sample that lived through a weight update spans two, and they
-                                 # go down where a trainer restarted from an older checkpoint meanwhile
-    finish_reason: str           # one of FINISH_REASONS
+                                 # go down where a trainer restarted from an older checkpoint meanwhile;
+                                 # NO_VERSION on the environment's tokens
+    finish_reason: str           # one of FINISH_REASONS: how the model's last turn ended
+    loss_mask: np.ndarray | None = None  # uint8 (R,): 1 on the model's tokens (trained), 0 on the
+                                 # environment's; None: every token is the model's (one turn)
+
+    @property
+    def model_mask(self) -> np.ndarray:
+        """bool (R,): True on the tokens the model generated (the ones a trainer trains)."""
+        if self.loss_mask is None:
+            return np.ones(len(self.response_tokens), bool)
+        return self.loss_mask.view(bool)
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.response_tokens) if self.loss_mask is None else int(self.loss_mask.sum())
+
+    @property
+    def turns(self) -> list[tuple[int, int, bool]]:
+        """The trajectory as runs of one author: (start, end, is the model's) token spans, in order."""
+        mask = self.model_mask
+        edges = [0, *(np.flatnonzero(mask[1:] != mask[:-1]) + 1).tolist(), len(mask)]
+        return [(a, b, bool(mask[a])) for a, b in zip(edges[:-1], edges[1:])]
 
     @property
     def oldest_version(self) -> int:
-        """The oldest weight version any of its tokens was generated under (not always the first's)."""
-        return int(self.versions.min())
+        """The oldest weight version any model token was generated under (not always the first's)."""
+        if self.loss_mask is None:
+            return int(self.versions.min())
+        return int(self.versions[self.model_mask].min())
 
     @property
     def newest_version(self) -> int:
-        """The newest weight version any of its tokens was generated under (not always the last's)."""
-        return int(self.versions.max())
+        """The newest weight version any model token was generated under (not always the last's)."""
+        return int(self.versions.max())  # the environment's NO_VERSION is below every real one
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
         return (self.finish_reason == other.finish_reason
                 and _same(self.response_tokens, other.response_tokens)
-                and _same(self.logprobs, other.logprobs) and _same(self.versions, other.versions))
+                and _same(self.logprobs, other.logprobs) and _same(self.versions, other.versions)
+                and np.array_equal(self.model_mask, other.model_mask))
 
 
 @dataclass(eq=False)
@@ -140,7 +171,8 @@ def validate_rollout(group: RolloutGroup) -> None:
         # Fast path without building error strings; the precise checks run only to explain a failure.
         num = len(s.response_tokens) if isinstance(s, Sample) and _is_vector(s.response_tokens, "i") else 0
         if not (0 < num <= MAX_TOKENS_PER_SEQUENCE - num_prompt and _is_vector(s.logprobs, "f", num)
-                and _is_vector(s.versions, "i", num) and _is_finish_reason(s.finish_reason)):
+                and _is_vector(s.versions, "i", num) and _is_finish_reason(s.finish_reason)
+                and (s.loss_mask is None or _is_vector(s.loss_mask, "u", num, itemsize=1))):
             _explain_sample(s, f"samples[{i}]", num_prompt)
     # Values: a few numpy calls over the whole group instead of a few per sample (per-sample calls
     # cost more than the data at G=8, R=1024). Only when one fails, per-array checks name the culprit.
@@ -152,9 +184,16 @@ def validate_rollout(group: RolloutGroup) -> None:
     if not np.isfinite(np.concatenate([s.logprobs for s in samples])).all():
         for i, s in enumerate(samples):
             _check_finite(s.logprobs, f"samples[{i}].logprobs")
-    if np.concatenate([s.versions for s in samples]).min() < 0:
+    masks = [s.loss_mask for s in samples if s.loss_mask is not None]
+    if masks and not (np.concatenate(masks) == 1).all():  # some sample is a trajectory of several turns
         for i, s in enumerate(samples):
-            _check_versions(s.versions, f"samples[{i}].versions")
+            if s.loss_mask is not None:
+                _check_trajectory(s, f"samples[{i}]")
+    one_turn = [s for s in samples if s.loss_mask is None or s.loss_mask.all()]
+    if one_turn and np.concatenate([s.versions for s in one_turn]).min() < 0:
+        for i, s in enumerate(samples):
+            if s.loss_mask is None or s.loss_mask.all():
+                _check_versions(s.versions, f"samples[{i}].versions")
     _check_map(group.metadata, "metadata", (str, int, float, bool))
     _check_map(group.timestamps, "timestamps", (float, int))
 
@@ -165,6 +204,8 @@ def _explain_sample(s: object, where: str, num_prompt: int) -> None:
     num = _check_tokens(s.response_tokens, f"{where}.response_tokens", num_prompt)
     _check_array(s.logprobs, f"{where}.logprobs", "f", num, "response_tokens")
     _check_array(s.versions, f"{where}.versions", "i", num, "response_tokens")
+    if s.loss_mask is not None:
+        _check_array(s.loss_mask, f"{where}.loss_mask", "u", num, "response_tokens", itemsize=1)
     if not _is_finish_reason(s.finish_reason):
         raise WireError(f"{where}.finish_reason: {_show(s.finish_reason)} not in {FINISH_REASONS}")
     raise AssertionError(f"{where}: the fast check failed but no precise check did")
@@ -186,15 +227,15 @@ def _is_finish_reason(value: object) -> bool:
     return isinstance(value, str) and value in FINISH_REASONS
 
 
-def _is_vector(a: object, kind: str, length: int | None = None) -> bool:
-    """Is `a` a 1-D array of 4-byte items of `kind` ("i" or "f"), of `length` if given?"""
-    return (isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind == kind and a.dtype.itemsize == 4
+def _is_vector(a: object, kind: str, length: int | None = None, itemsize: int = 4) -> bool:
+    """Is `a` a 1-D array of `itemsize`-byte items of `kind` ("i", "f" or "u"), of `length` if given?"""
+    return (isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind == kind and a.dtype.itemsize == itemsize
             and (length is None or len(a) == length))
 
 
-def _check_array(a: object, where: str, kind: str, length: int | None, length_of: str = "") -> None:
-    if not _is_vector(a, kind):
-        name = "int32" if kind == "i" else "float32"
+def _check_array(a: object, where: str, kind: str, length: int | None, length_of: str = "", itemsize: int = 4) -> None:
+    if not _is_vector(a, kind, itemsize=itemsize):
+        name = {"i": "int32", "f": "float32", "u": "uint8"}[kind]
         got = f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise WireError(f"{where}: expected a 1-D {name} array, got {got}")
     if length is not None and len(a) != length:
@@ -225,6 +266,24 @@ def _check_finite(a: np.ndarray, where: str) -> None:
 def _check_versions(v: np.ndarray, where: str) -> None:
     if v.min() < 0:
         raise WireError(f"{where}: negative version {v.min()} at position {int(v.argmin())}")
+
+
+def _check_trajectory(s: Sample, where: str) -> None:
+    """A multi-turn sample's mask: 0 or 1 per token, at least one model token; the model's tokens carry
+    versions >= 0, the environment's NO_VERSION and logprob 0 (no policy generated them)."""
+    mask = s.loss_mask
+    if mask.max() > 1:
+        j = int(np.argmax(mask > 1))
+        raise WireError(f"{where}.loss_mask: value {mask[j]} at position {j} is neither 0 nor 1")
+    is_model = mask.view(bool)
+    if not is_model.any():
+        raise WireError(f"{where}.loss_mask: no token is the model's (a trajectory needs at least one)")
+    _check_versions(np.where(is_model, s.versions, 0), f"{where}.versions")
+    bad = ~is_model & ((s.versions != NO_VERSION) | (s.logprobs != 0))
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise WireError(f"{where}: token {j} is the environment's (loss_mask 0) but has version {s.versions[j]} "
+                        f"and logprob {s.logprobs[j]}; expected {NO_VERSION} and 0")
 
 
 def _check_floats(a: object, where: str, length: int, length_of: str) -> None:
@@ -266,6 +325,7 @@ def _rollout_map(g: RolloutGroup, kind: str) -> dict:
         "samples": [{"response_tokens": _bin(s.response_tokens, TOKEN_DTYPE),
                      "logprobs": _bin(s.logprobs, FLOAT_DTYPE),
                      "versions": _bin(s.versions, TOKEN_DTYPE),
+                     "loss_mask": _bin(s.model_mask, MASK_DTYPE),
                      "finish_reason": s.finish_reason} for s in g.samples],
         "metadata": g.metadata,
         "timestamps": {k: float(t) for k, t in g.timestamps.items()},
@@ -311,10 +371,12 @@ def _decode_group(m: dict) -> RolloutGroup:
         prefix = f"samples[{i}]."
         if not isinstance(s, dict):
             raise WireError(f"samples[{i}]: expected a map, got {type(s).__name__}")
+        # v2 and v3 samples are one turn each: no mask, every token the model's
+        mask = _array(s, "loss_mask", MASK_DTYPE, prefix) if m["v"] >= 4 else None
         samples.append(Sample(_array(s, "response_tokens", TOKEN_DTYPE, prefix),
                               _array(s, "logprobs", FLOAT_DTYPE, prefix),
                               _array(s, "versions", TOKEN_DTYPE, prefix),
-                              get(s, "finish_reason", str, prefix)))
+                              get(s, "finish_reason", str, prefix), mask))
     return RolloutGroup(get(m, "group_id", str, ""), get(m, "attempt", int, ""),
                         _array(m, "prompt_tokens", TOKEN_DTYPE, ""), samples,
                         get(m, "metadata", dict, ""), get(m, "timestamps", dict, ""), get(m, "run_id", str, ""))

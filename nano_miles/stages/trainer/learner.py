@@ -68,6 +68,7 @@ class TrainSample:
     reward: float
     group: int          # which of the step's groups it belongs to: advantages are taken per group
     finish_reason: str = "stop"  # "length": cut at max_new_tokens
+    loss_mask: object = None     # bool (R,): the model's tokens, the ones that train; None: every token
 
 
 @dataclass
@@ -264,7 +265,8 @@ class Learner:
 
     def assemble(self, samples: list[TrainSample], advantages) -> TokenBatch:
         return assemble_batch([s.prompt for s in samples], [s.response for s in samples],
-                              [s.logprobs for s in samples], list(advantages), self.pad_id).to(self.device)
+                              [s.logprobs for s in samples], list(advantages), self.pad_id,
+                              [s.loss_mask for s in samples]).to(self.device)
 
     def logprobs(self, model, batch) -> torch.Tensor:
         return token_scores(model, batch.input_ids, batch.targets, batch.attention_mask, self.temperature,

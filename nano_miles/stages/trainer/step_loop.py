@@ -321,7 +321,7 @@ class Trainer:
     def optimize(self, groups: list[ScoredGroup]) -> tuple[StepStats, list]:
         """Train the step's groups: its statistics, and each group's advantages (the learner makes them)."""
         samples = [TrainSample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(reward), g,
-                               sample.finish_reason)
+                               sample.finish_reason, sample.model_mask)
                    for g, sg in enumerate(groups) for sample, reward in zip(sg.group.samples, sg.rewards)]
         result, advantages = self.learner.step(samples)
         if result.num_skipped_steps:
