@@ -49,3 +49,20 @@ def engine_url(policy_dir, tmp_path_factory):
     proc, url = start_local_engine(policy_dir, log_path)
     yield url
     stop_process(proc)
+
+
+@pytest.fixture
+def long_talker(tmp_path):
+    """A random model with no EOS and its engine: samples run to max_new_tokens, slow enough to be cut
+    by a weight update (tests/test_async.py, tests/test_rollouts.py)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=None)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "model")
+    proc, url = start_engine(tmp_path / "model", tmp_path / "engine.log")
+    yield model, url
+    stop_process(proc)

@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from conftest import start_engine, stop_process
 from harness.learning_runs import ASYNC, margin
 from harness.supervised_run import SupervisedRun
 from nano_miles.algo.admission import FUTURE, refusal, staleness
@@ -56,20 +54,6 @@ def producer_for(url: str, tmp_path, prompt: list[int]) -> tuple[RolloutProducer
         f"--reward.endpoint=ipc://{tmp_path}/r", "--rollout.metrics_port=0"])  # not the default 9101
     ctx = zmq.Context()
     return RolloutProducer(cfg, ctx, [Problem("p", "0")], [prompt], stop_token_ids=[]), ctx
-
-
-@pytest.fixture
-def long_talker(tmp_path):
-    """A random model with no EOS, so samples run to max_new_tokens: slow enough to be cut."""
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=None)
-    model = Qwen2ForCausalLM(cfg).eval()
-    model.save_pretrained(tmp_path / "model")
-    proc, url = start_engine(tmp_path / "model", tmp_path / "engine.log")
-    yield model, url
-    stop_process(proc)
 
 
 def test_partial_rollout_resumes_across_a_weight_update(long_talker, tmp_path):

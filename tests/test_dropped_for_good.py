@@ -13,6 +13,7 @@ from nano_miles.engine.client import EngineClient
 from nano_miles.observe.run_record import ledger_report
 from nano_miles.run.config import load_config
 from nano_miles.stages.rollout.producer import RolloutProducer
+from nano_miles.tasks import Problem
 from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState, decode_reply, encode_reply
 
 
@@ -23,7 +24,7 @@ def test_too_long_prompt_is_dropped_for_good_and_reported(engine_url, tmp_path):
                                  f"--rollout.control_endpoint=ipc://{tmp_path}/control.sock",
                                  "--rollout.metrics_port=0", "--rollout.group_size=2",
                                  "--rollout.max_new_tokens=4", "--trainer.batch_groups=3", "--task.num_train=5"])
-    problems = [SimpleNamespace(answer=str(i)) for i in range(5)]
+    problems = [Problem("p", str(i)) for i in range(5)]
     prompts = [[5] * (context_len + 10), [5, 6, 7], [8, 9], [10], [11, 12]]
     ctx = zmq.Context()
     producer = RolloutProducer(cfg, ctx, problems, prompts, stop_token_ids=[])
@@ -65,7 +66,7 @@ def test_no_signal_groups_stay_out_of_the_run_and_out_of_the_status(engine_url, 
     cfg = load_config(overrides=[f"--engine.port={port}", f"--reward.endpoint=ipc://{tmp_path}/reward.sock",
                                  f"--rollout.control_endpoint=ipc://{tmp_path}/control.sock",
                                  "--rollout.metrics_port=0", "--task.num_train=2000"])
-    problems = [SimpleNamespace(answer=str(i)) for i in range(2000)]
+    problems = [Problem("p", str(i)) for i in range(2000)]
     ctx = zmq.Context()
     producer = RolloutProducer(cfg, ctx, problems, [[5, 6]] * 2000, stop_token_ids=[])
     try:

@@ -13,7 +13,6 @@ import time
 from concurrent.futures import wait
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import pytest
@@ -22,6 +21,7 @@ import zmq
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.run.config import load_config
 from nano_miles.stages.rollout.producer import ENGINE_RETRY_S, RolloutProducer
+from nano_miles.tasks import Problem
 from nano_miles.wire.data import decode_rollout
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
@@ -105,7 +105,7 @@ def producer_behind(proxy: FaultyProxy, tmp_path):
                                  "--rollout.metrics_port=0", "--rollout.group_size=2", "--rollout.max_new_tokens=4",
                                  "--trainer.batch_groups=1", f"--task.num_train={len(PROMPTS)}"])
     ctx = zmq.Context()
-    producer = RolloutProducer(cfg, ctx, [SimpleNamespace(answer=str(i)) for i in range(len(PROMPTS))], PROMPTS,
+    producer = RolloutProducer(cfg, ctx, [Problem("p", str(i)) for i in range(len(PROMPTS))], PROMPTS,
                                stop_token_ids=[])
     pull = ctx.socket(zmq.PULL)
     pull.bind(cfg.reward.endpoint)

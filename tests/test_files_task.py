@@ -239,7 +239,7 @@ def test_generation_stops_at_the_templates_end_of_turn_that_generation_config_do
         assert s.finish_reason == "stop" and s.response_tokens[-1] == im_end, tokenizer.decode(s.response_tokens)
         assert im_end not in s.response_tokens[:-1] and len(s.response_tokens) < 64
     # the engine alone stops only on the model's EOS: past the end of the turn, to the token limit
-    alone = EngineClient(url).generate(producer.prompt_ids[0], {"max_new_tokens": 64, "temperature": 0.0})
+    alone = EngineClient(url).generate(producer.records[0].prompt_ids, {"max_new_tokens": 64, "temperature": 0.0})
     assert alone["meta_info"]["finish_reason"]["type"] == "length" and im_end in alone["output_ids"]
 
 

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -23,7 +22,7 @@ from nano_miles.run.config import load_config
 from nano_miles.run.identity import refuse_another_split
 from nano_miles.run.process import EXIT_STOPPED
 from nano_miles.stages.rollout.producer import RolloutProducer
-from nano_miles.tasks import load_problems, split_identity
+from nano_miles.tasks import Problem, load_problems, split_identity
 from nano_miles.wire.codec import group_id_at
 from nano_miles.wire.control import RestoreState
 
@@ -46,7 +45,7 @@ def test_a_restart_with_another_batch_size_opens_the_version_gate(tmp_path):
                                  f"--rollout.control_endpoint=ipc://{tmp_path}/control.sock",
                                  "--rollout.metrics_port=0", "--trainer.batch_groups=4", "--task.num_train=100"])
     ctx = zmq.Context()
-    producer = RolloutProducer(cfg, ctx, [SimpleNamespace(answer="0")] * 100, [[5, 6]] * 100, stop_token_ids=[])
+    producer = RolloutProducer(cfg, ctx, [Problem("p", "0")] * 100, [[5, 6]] * 100, stop_token_ids=[])
     try:
         producer.control.run_id = "test-run"  # what the trainer's first `restore` sets
         trained = [group_id_at(position, 100) for position in range(40)]

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from nano_miles.run.cli import UserError
-from nano_miles.rewards import load_reward_fn
+from nano_miles.run.plugins import load_function
 from nano_miles.run.config import Config, TaskConfig
 from nano_miles.tasks import load_problems
 from nano_miles.tasks.arithmetic import (Expression, Problem, extract_answer, make_expressions, make_problems,
@@ -134,8 +134,8 @@ def test_first_step_part(response, first_step):
 
 
 @pytest.mark.parametrize("dotted", ["nano_miles.tasks.arithmetic:reward", "nano_miles.tasks.arithmetic.reward"])
-def test_load_reward_fn_both_syntaxes(dotted):
-    fn = load_reward_fn(dotted)
+def test_load_function_both_syntaxes(dotted):
+    fn = load_function(dotted, "reward.fn")
     assert fn is reward
     assert fn("<answer>3</answer>", "3")["reward"] == 1.0
 
@@ -148,9 +148,9 @@ def test_load_reward_fn_both_syntaxes(dotted):
     ":reward",
     "nano_miles.tasks.arithmetic:",
 ])
-def test_load_reward_fn_bad_path_names_it(dotted):
+def test_load_function_bad_path_names_it(dotted):
     with pytest.raises(UserError) as info:
-        load_reward_fn(dotted)
+        load_function(dotted, "reward.fn")
     assert repr(dotted) in str(info.value)
 
 

@@ -23,11 +23,11 @@ an error when the function loads.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 
 from nano_miles.run.cli import UserError
+from nano_miles.run.plugins import load_function, split_dotted
 
 RewardFn = Callable[..., dict[str, float]]  # (response, label), or (response, label, facts) once loaded
 SHARED_PARTS = ("accuracy", "format")  # kept unprefixed from the first function that has them
@@ -39,6 +39,13 @@ def sample_facts(cfg, num_response_tokens: int, finish_reason: str) -> dict:
     return {"num_response_tokens": num_response_tokens, "finish_reason": finish_reason,
             "max_new_tokens": cfg.rollout.max_new_tokens, "overlong_buffer": cfg.reward.overlong_buffer,
             "overlong_penalty": cfg.reward.overlong_penalty}
+
+
+def response_text(sample, decode) -> str:
+    """What a reward function reads as the response: the text of the model's last turn (of a
+    single-turn sample, the whole response), special tokens dropped by `decode`."""
+    start, end = next((a, b) for a, b, is_model in reversed(sample.turns) if is_model)
+    return decode(sample.response_tokens[start:end])
 
 
 def declared_keywords(fn, key: str) -> tuple[str, ...]:
@@ -73,29 +80,6 @@ def with_facts(fn, key: str):
     return call
 
 
-def split_dotted(dotted: str, key: str = "reward.fn") -> tuple[str, str]:
-    """'pkg.mod:fn' or 'pkg.mod.fn' -> ('pkg.mod', 'fn')."""
-    module_name, sep, attr = dotted.partition(":") if ":" in dotted else dotted.rpartition(".")
-    if not sep or not module_name or not attr:
-        raise UserError(f"{key} {dotted!r} must look like 'package.module:function' or 'package.module.function'")
-    return module_name, attr
-
-
-def load_reward_fn(dotted: str, key: str = "reward.fn") -> RewardFn:
-    """Import the reward function named by `dotted`; a UserError naming it (and `key`) if that fails."""
-    module_name, attr = split_dotted(dotted, key)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UserError(f"{key} {dotted!r}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise UserError(f"{key} {dotted!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise UserError(f"{key} {dotted!r}: {attr!r} is a {type(fn).__name__}, not callable")
-    return fn
-
-
 def part_prefix(dotted: str) -> str:
     """What a function's parts are logged under: its name, or its module's for one called `reward`."""
     module_name, attr = split_dotted(dotted)
@@ -127,8 +111,8 @@ def describe(reward_cfg) -> str:
 def load_reward(reward_cfg) -> RewardFn:
     """The run's reward function from the [reward] section; a UserError naming the key if it cannot load."""
     if not reward_cfg.fns:
-        return with_facts(load_reward_fn(reward_cfg.fn), "reward.fn")
+        return with_facts(load_function(reward_cfg.fn, "reward.fn"), "reward.fn")
     names = [part_prefix(d) for d in reward_cfg.fns]
     names = [n if names.count(n) == 1 else f"{n}{i}" for i, n in enumerate(names)]  # each its own parts
-    fns = [with_facts(load_reward_fn(d, f"reward.fns[{i}]"), f"reward.fns[{i}]") for i, d in enumerate(reward_cfg.fns)]
+    fns = [with_facts(load_function(d, f"reward.fns[{i}]"), f"reward.fns[{i}]") for i, d in enumerate(reward_cfg.fns)]
     return weighted(list(zip(names, fns)), reward_cfg.weights or [1.0] * len(fns))

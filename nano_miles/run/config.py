@@ -156,8 +156,10 @@ class TaskConfig(Section):
 
 @dataclass
 class RolloutConfig(Section):
+    fn: str = checked("nano_miles.rollouts.single_turn:rollout", FUNCTION)  # a group's rollout (nano_miles/rollouts)
     group_size: int = checked(8, at_least(1))         # G samples per prompt
-    max_new_tokens: int = checked(48, at_least(1))
+    max_new_tokens: int = checked(48, at_least(1))    # a sample's tokens after the prompt, every turn's
+    max_turns: int = checked(4, at_least(1))          # the model's turns in a multi-turn rollout (tools)
     temperature: float = checked(1.0, at_least(0))    # 0 = greedy
     top_p: float = checked(1.0, FRACTION)
     top_k: int = checked(-1, TOP_K)

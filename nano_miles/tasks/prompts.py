@@ -84,6 +84,30 @@ def end_of_turn_id(tokenizer) -> int | None:
     return ids[0] if ids and ids[0] in set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder) else None
 
 
+def turn_ids(tokenizer, message: dict) -> list[int]:
+    """The ids a multi-turn rollout appends after the model's turn to open its next one: the rest of
+    the template's turn ending (after the end-of-turn token the model generated itself), `message` (a
+    tool's result, a user's reply) and the generation prompt. Rendered through the chat template and
+    tokenized once, on their own: the turns before them are never rendered or tokenized again.
+
+    Found by rendering a chat with and without `message`; a template that renders earlier turns
+    differently once a later one follows cannot be extended token by token, and is a UserError."""
+    if not tokenizer.chat_template:
+        raise UserError(f"a multi-turn rollout renders turns through the chat template, and the tokenizer of "
+                        f"{tokenizer.name_or_path} has none")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": TURN_MARK}]
+    before = tokenizer.apply_chat_template(chat, tokenize=False)
+    after = tokenizer.apply_chat_template([*chat, message], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise UserError(f"the chat template of {tokenizer.name_or_path} renders earlier turns differently once a "
+                        f"{message.get('role')} turn follows; a multi-turn rollout cannot extend it token by token")
+    ending = before[before.find(TURN_MARK) + len(TURN_MARK):]  # e.g. "<|im_end|>\n"
+    turn_end = end_of_turn_id(tokenizer)
+    if turn_end is not None:  # the model wrote this token itself: its turn stopped on it
+        ending = ending.removeprefix(tokenizer.convert_ids_to_tokens(turn_end))
+    return tokenizer(ending + after[len(before):], add_special_tokens=False)["input_ids"]
+
+
 def stop_token_ids(model_dir, tokenizer, *, chat_template: bool) -> list[int]:
     """Every id that ends a response: generation_config.json's EOS ids, the tokenizer's EOS and,
     with the chat template, its end-of-turn token."""

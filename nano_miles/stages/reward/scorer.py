@@ -25,7 +25,7 @@ import zmq
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.rewards import describe, sample_facts
+from nano_miles.rewards import describe, response_text, sample_facts
 from nano_miles.rewards.worker import REASONS, FailureLimit, RewardFailure, RewardWorker, score
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 from nano_miles.wire.sockets import make_socket
@@ -37,13 +37,14 @@ LOG_EVERY_S = 10.0    # and says what it waits for this often
 
 
 def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None, facts=None) -> ScoredGroup:
-    """Run the reward function on each decoded response; `facts(num_response_tokens, finish_reason)`
+    """Run the reward function on each sample's response (its model's last turn, `response_text`);
+    `facts(num_response_tokens, finish_reason)`
     gives the keywords a function may ask for (`nano_miles.rewards.sample_facts`), None none.
 
     A sample that cannot be scored gets 0 in the reward and every part; `on_failure(index, failure)`
     is told about it."""
     label = str(group.metadata.get("label", ""))
-    outs = [score(worker, decode(sample.response_tokens), label,
+    outs = [score(worker, response_text(sample, decode), label,
                   None if on_failure is None else lambda failure, i=index: on_failure(i, failure),
                   None if facts is None else facts(len(sample.response_tokens), sample.finish_reason))
             for index, sample in enumerate(group.samples)]

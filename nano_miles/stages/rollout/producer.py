@@ -1,8 +1,9 @@
 """The rollout producer: turns dataset prompts into `RolloutGroup`s with the engine, under a version gate.
 
 Library module of `procs/rollout.py`, the rollout process supervisord starts.
-A sample's path starts here: `ledger.py` picks the group, `nano_miles/engine/client.py` generates its
-samples, `nano_miles/wire/data.py` encodes it; it goes on in `nano_miles/stages/reward/scorer.py`.
+A sample's path starts here: `ledger.py` picks the group, the rollout function (`rollout.fn`,
+`nano_miles/rollouts/`) makes its samples through the engine, `nano_miles/wire/data.py` encodes it; it
+goes on in `nano_miles/stages/reward/scorer.py`.
 
 It owns the dataset cursor (in its `Ledger`) and the in-flight requests; it serves the REP end of the
 control channel and PUSHes finished groups to the reward stage. Nothing is generated before the
@@ -29,19 +30,19 @@ import numpy as np
 import zmq
 
 from nano_miles.algo.admission import version_allows
-from nano_miles.engine.client import EngineError, is_permanent, parse_output, sampling_seed, token_versions
+from nano_miles.engine.client import EngineError, is_permanent, sampling_seed
 from nano_miles.engine.group import make_engine
 from nano_miles.observe.metrics import RolloutMetrics
+from nano_miles.rollouts import RolloutEngine, load_rollout, make_records, sample_group
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.stages.rollout.ledger import Ledger
 from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState
-from nano_miles.wire.data import RolloutGroup, Sample, encode_rollout
+from nano_miles.wire.data import RolloutGroup, encode_rollout
 from nano_miles.wire.sockets import ControlServer, make_socket
 
 log = logging.getLogger("rollout")
 
-MAX_SEGMENTS_PER_SAMPLE = 64  # a sample aborted this often means the engine is stuck in a pause loop
 MAX_OUTBOX = 64               # finished groups held while reward does not take them (backpressure)
 ENGINE_RETRY_S = (0.5, 1, 2, 4, 8)  # backoff between attempts at a group the engine failed
 
@@ -62,13 +63,14 @@ class ProducerState:
 
 class RolloutProducer:
     def __init__(self, cfg: Config, ctx: zmq.Context, problems, prompt_ids: list[list[int]],
-                 stop_token_ids: list[int]):
+                 stop_token_ids: list[int], tokenizer=None):
         self.cfg = cfg
-        self.problems = problems
-        self.prompt_ids = prompt_ids
+        self.records = make_records(problems, prompt_ids)
+        self.rollout_fn = load_rollout(cfg.rollout)
+        self.tokenizer = tokenizer  # the model's: a multi-turn rollout renders its next turns with it
         self.stop_token_ids = stop_token_ids  # the model's EOS ids and its template's end of turn
         self.state = ProducerState()
-        self.ledger = Ledger(len(problems), cfg.rollout.lease_s)
+        self.ledger = Ledger(len(self.records), cfg.rollout.lease_s)
         self.engine = make_engine(cfg.engine)  # generation through the router when there is one
         self.lock = threading.Lock()  # counters written by the generate threads
         self.pool = ThreadPoolExecutor(max_workers=cfg.rollout.max_inflight_groups,
@@ -147,51 +149,27 @@ class RolloutProducer:
         self.state.inflight[group_id] = fut
 
     def generate_group(self, group_id: str, index: int, attempt: int = 0) -> RolloutGroup:
-        """G samples for one prompt; samples cut by an abort-mode pause are resumed (partial rollout).
-
-        A resumed sample continues from `prompt + its tokens so far` with the remaining token
-        budget; each segment keeps the logprobs and versions of the weights that produced it, and
-        nothing is re-tokenized at the seam.
-        """
+        """The group's samples from the rollout function (`rollout.fn`), through an engine adapter that
+        retries a failing engine and resumes whatever a weight update cut (`nano_miles/rollouts/engine.py`)."""
         r = self.cfg.rollout
-        prompt = self.prompt_ids[index]
         started = time.time()
-        tokens: list[list[int]] = [[] for _ in range(r.group_size)]
-        logprobs: list[list[float]] = [[] for _ in range(r.group_size)]
-        versions: list[list[int]] = [[] for _ in range(r.group_size)]
-        finish = [""] * r.group_size
-        pending = list(range(r.group_size))
-        for segment in range(MAX_SEGMENTS_PER_SAMPLE):
-            # a sample's draws are a function of what it is (run seed, group, attempt, sample, segment);
+        engine = RolloutEngine(
+            self.generate_with_retry, group_size=r.group_size, max_new_tokens=r.max_new_tokens,
+            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+            stop_token_ids=self.stop_token_ids, tokenizer=self.tokenizer, max_turns=r.max_turns,
+            on_resumed=self.count_resumed,
+            # a sample's draws are a function of what it is (run seed, group, attempt, sample, request);
             # through a router a fresh group goes as one request without them (engine/group.py)
-            params = [{"max_new_tokens": r.max_new_tokens - len(tokens[i]), "temperature": r.temperature,
-                       "top_p": r.top_p, "top_k": r.top_k, "stop_token_ids": self.stop_token_ids,
-                       "sampling_seed": sampling_seed(self.cfg.run.seed, group_id, attempt, i, segment)}
-                      for i in pending]
-            outputs = self.generate_with_retry([prompt + tokens[i] for i in pending], params)
-            still_pending = []
-            for i, out in zip(pending, outputs):
-                seg_tokens, seg_logprobs, reason, _ = parse_output(out["meta_info"], out["output_ids"])
-                tokens[i] += seg_tokens
-                logprobs[i] += seg_logprobs
-                versions[i] += token_versions(out["meta_info"], len(seg_tokens))
-                if reason == "abort" and len(tokens[i]) < r.max_new_tokens:
-                    still_pending.append(i)
-                else:
-                    finish[i] = "length" if reason == "abort" else reason
-            if still_pending:
-                with self.lock:
-                    self.state.num_resumed_samples += len(still_pending)
-            pending = still_pending
-            if not pending:
-                break
-        else:
-            raise EngineError(0, f"samples of {group_id} were aborted {MAX_SEGMENTS_PER_SAMPLE} times")
-        samples = [Sample(np.asarray(tokens[i], np.int32), np.asarray(logprobs[i], np.float32),
-                          np.asarray(versions[i], np.int32), finish[i]) for i in range(r.group_size)]
-        return RolloutGroup(group_id, attempt, np.asarray(prompt, np.int32), samples,
-                            metadata={"label": self.problems[index].answer, "index": index},
+            seed_of=lambda sample, n: sampling_seed(self.cfg.run.seed, group_id, attempt, sample, n))
+        record = self.records[index]
+        samples = sample_group(self.rollout_fn, record, engine)
+        return RolloutGroup(group_id, attempt, np.asarray(record.prompt_ids, np.int32), samples,
+                            metadata={"label": record.label, "index": index},
                             timestamps={"issued": started, "generated": time.time()}, run_id=self.control.run_id)
+
+    def count_resumed(self, num: int) -> None:
+        with self.lock:
+            self.state.num_resumed_samples += num
 
     def generate_with_retry(self, input_ids: list[list[int]], params: list[dict]) -> list[dict]:
         """/generate, retried with backoff while the engine is down or failing (never dropped).

@@ -1,7 +1,8 @@
 """Held-out evaluation of the served weights: greedy accuracy and mean reward, and pass@k when asked.
 
 Library module used by the trainer, which evaluates through the engine (the weights it just pushed),
-with the run's prompt format (chat template included) and reward function, which runs in a forked
+with the run's prompt format (chat template included), rollout function (a multi-turn one calls its
+tools here too) and reward function, which runs in a forked
 worker with the reward stage's per-sample timeout and failure limit: a held-out pass on which the
 function fails throughout, or past `reward.max_failure_fraction`, stops the trainer as it stops the
 reward stage.
@@ -19,13 +20,17 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, field
 
+from concurrent.futures import ThreadPoolExecutor
+
 from nano_miles.engine.client import sampling_seed
-from nano_miles.rewards import describe, sample_facts
+from nano_miles.rewards import describe, response_text, sample_facts
 from nano_miles.rewards.worker import FailureLimit, score
+from nano_miles.rollouts import RolloutEngine, load_rollout, make_records, sample_group
 from nano_miles.run.config import Config
 from nano_miles.tasks.prompts import encode_prompts, make_decoder
 
 log = logging.getLogger("trainer")
+MAX_EVAL_THREADS = 256  # problems in flight at once (the engine batches them)
 
 
 @dataclass
@@ -58,20 +63,33 @@ def is_solved(parts: dict[str, float]) -> bool:
 
 
 def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]):
-    """A function (engine, step, elapsed_s) -> EvalResult on the held-out `problems`, in batched
-    /generate calls."""
-    prompts = encode_prompts(tokenizer, problems, cfg.task)
+    """A function (engine, step, elapsed_s) -> EvalResult on the held-out `problems`: every problem
+    through the run's rollout function (`rollout.fn`) at once, so the engine batches them."""
+    records = make_records(problems, encode_prompts(tokenizer, problems, cfg.task))
+    rollout_fn = load_rollout(cfg.rollout)
     decode = make_decoder(tokenizer)
     r, k = cfg.rollout, cfg.trainer.eval_samples
-    greedy = {"max_new_tokens": r.max_new_tokens, "temperature": 0.0, "stop_token_ids": stop_ids}
-
     limit = FailureLimit(describe(cfg.reward), cfg.reward.max_failure_fraction)
 
-    def scores(outputs, labels) -> list[dict[str, float]]:
+    def rollouts(engine, step: int, num: int, temperature: float) -> list:
+        """`num` samples of every problem, in order (`wire.data.Sample`s)."""
+        def one(record):
+            # pass@k draws: a function of (run seed, step, problem, sample), never of timing
+            seed_of = lambda j, n: sampling_seed(cfg.run.seed, "eval", step, record.index, j, *([n] if n else []))  # noqa: E731
+            sampling = {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k} if temperature else \
+                {"temperature": 0.0}
+            adapter = RolloutEngine(engine.generate, group_size=num, max_new_tokens=r.max_new_tokens,
+                                    sampling=sampling, stop_token_ids=stop_ids, seed_of=seed_of, tokenizer=tokenizer,
+                                    max_turns=r.max_turns)
+            return sample_group(rollout_fn, record, adapter)
+        with ThreadPoolExecutor(min(len(records), MAX_EVAL_THREADS), thread_name_prefix="eval") as pool:
+            return [s for group in pool.map(one, records) for s in group]
+
+    def scores(samples, labels) -> list[dict[str, float]]:
         failures = []
-        parts = [score(worker, decode(out["output_ids"]), label, failures.append,
-                       sample_facts(cfg, len(out["output_ids"]), out["meta_info"]["finish_reason"]["type"]))
-                 for out, label in zip(outputs, labels)]
+        parts = [score(worker, response_text(s, decode), label, failures.append,
+                       sample_facts(cfg, len(s.response_tokens), s.finish_reason))
+                 for s, label in zip(samples, labels)]
         if failures:
             log.warning("the reward function failed on %d of %d held-out samples (scored 0); the last: %s",
                         len(failures), len(parts), failures[-1])
@@ -80,19 +98,14 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
 
     def evaluate(engine, step: int, elapsed_s: float) -> EvalResult:
         labels = [p.answer for p in problems]
-        parts = scores(engine.generate(prompts, greedy, return_logprob=False), labels)
+        parts = scores(rollouts(engine, step, 1, 0.0), labels)
         has_accuracy = any("accuracy" in p for p in parts)
         accuracy = sum(p.get("accuracy", 0.0) for p in parts) / len(parts) if has_accuracy else None
         pass_at_k = None
         if k > 1:
-            params = [{"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
-                       "top_k": r.top_k, "stop_token_ids": stop_ids,
-                       "sampling_seed": sampling_seed(cfg.run.seed, "eval", step, i, j)}
-                      for i in range(len(prompts)) for j in range(k)]
-            sampled = scores(engine.generate([p for p in prompts for _ in range(k)], params, return_logprob=False),
-                             [label for label in labels for _ in range(k)])
+            sampled = scores(rollouts(engine, step, k, r.temperature), [label for label in labels for _ in range(k)])
             pass_at_k = sum(any(is_solved(s) for s in sampled[i * k:(i + 1) * k])
-                            for i in range(len(prompts))) / len(prompts)
+                            for i in range(len(problems))) / len(problems)
         others = sorted({name for p in parts for name in p} - {"reward", "accuracy"})
         means = {name: sum(p.get(name, 0.0) for p in parts) / len(parts) for name in others}
         return EvalResult(step, elapsed_s, accuracy, sum(p["reward"] for p in parts) / len(parts), pass_at_k, k,
