@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,18 +22,19 @@ from nano_miles.tasks.prompts import load_tokenizer, prompt_ids, turn_ids
 from nano_miles.weights.tensor_sender import push_weights
 from nano_miles.wire.data import NO_VERSION, RolloutGroup, decode_rollout, encode_rollout
 
-FOLLOW_UP = "Check it once more."
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def two_turn(record, engine):
-    """Answer, hear a fixed follow-up from the user, answer again: the README's example, in short."""
-    trajectories = [Trajectory.of(g) for g in engine.generate([record.prompt_ids] * engine.group_size)]
-    follow_up = engine.next_turn("user", FOLLOW_UP)
-    for t in trajectories:
-        t.add_environment(follow_up)
-    second = engine.generate([record.prompt_ids + t.tokens for t in trajectories],
-                             max_new_tokens=[engine.max_new_tokens - len(t) for t in trajectories])
-    return [t.add_generation(g) for t, g in zip(trajectories, second)]
+def readme_rollout():
+    """The two-turn rollout function the README shows under "Write your own rollout", run as printed."""
+    text = README.read_text()
+    section = text[text.index("## Write your own rollout"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("\n```", start)]
+    assert len(code.splitlines()) < 40, "the README's example is to stay short"
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace["rollout"], namespace["FOLLOW_UP"]
 
 
 def adapter(send, *, group_size=4, max_new_tokens=48, tokenizer=None, temperature=1.0):
@@ -110,17 +112,20 @@ def test_turn_ids_extend_the_chat_token_by_token(policy_dir):
     assert extended == tok(whole, add_special_tokens=False)["input_ids"]
 
 
-def test_two_turns_train_exactly_the_ids_the_engine_saw(engine_url, policy_dir):
-    """Token in, token out across turns: the trajectory's ids are those the engine read and wrote, turn
-    by turn; the engine scores each turn the same given the ids before it; and the trainer's log-probs
-    of the assembled sample, at its model tokens only, equal the engine's."""
+def test_the_readmes_two_turns_train_exactly_the_ids_the_engine_saw(engine_url, policy_dir):
+    """The README's example runs, and keeps token in, token out across turns: the trajectory's ids are
+    those the engine read and wrote, turn by turn; the engine scores each turn the same given the ids
+    before it; and the trainer's log-probs of the assembled sample, at its model tokens only, equal the
+    engine's."""
+    two_turn, follow_up_text = readme_rollout()
     tok = load_tokenizer(policy_dir)
     client = EngineClient(engine_url)
     prompt = prompt_ids(tok, "What is (3 * 4) + 5? Put the answer in <answer></answer>.\n", chat_template=True)
-    engine = adapter(client.generate, tokenizer=tok, max_new_tokens=96)
+    engine = adapter(client.generate, tokenizer=tok, max_new_tokens=120)
     samples = sample_group(two_turn, Record(0, "p", prompt, "17"), engine)
-    follow_up = turn_ids(tok, {"role": "user", "content": FOLLOW_UP})
+    follow_up = turn_ids(tok, {"role": "user", "content": follow_up_text})
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype="float32").eval()
+    assert all(len(s.turns) == 3 for s in samples), [s.finish_reason for s in samples]
     for s in samples:
         (a0, a1, m0), (b0, b1, m1), (c0, c1, m2) = s.turns
         assert (m0, m1, m2) == (True, False, True)

@@ -88,6 +88,8 @@ MISTAKES = [
     ("engine", ["--engine.kind=local", "--engine.dtype=float16"], "engine.dtype"),
     # plug-ins: imported, and the task's size checked, when the stage starts
     ("reward", ["--reward.fn=nope.mod:fn"], "reward.fn"),
+    ("rollout", ["--rollout.fn=nope.mod:fn"], "rollout.fn"),
+    ("trainer", ["--rollout.fn=nano_miles.rollouts.tools:nope"], "rollout.fn"),
     ("trainer", ["--reward.fn=nano_miles.tasks.arithmetic:nope"], "reward.fn"),
     ("rollout", ["--task.name=nope.task"], "task.name"),
     ("trainer", ["--task.name=nope.task"], "task.name"),

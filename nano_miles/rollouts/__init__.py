@@ -1,20 +1,21 @@
 """Rollout functions: what one group's rollout is, plugged in by dotted path (`rollout.fn`).
 Used as a library by the rollout producer and the trainer's held-out evaluation: `load_rollout(cfg.rollout)`.
 
-A rollout function takes `(record, engine)` and returns `engine.group_size` trajectories:
+A rollout function takes `(record, engine)` and returns one trajectory per sample of the group
+(`rollout.group_size` of them):
 
     def rollout(record: Record, engine: RolloutEngine) -> list[Trajectory]
 
 `record` is the problem (`Record`: its index, its prompt as the task gives it and as the ids the
 engine reads, its label); `engine` (`engine.py`) generates from token ids and returns token ids,
 log-probs, per-token weight versions and a finish reason, resuming whatever a weight update cut, so
-a rollout function never sees a pause; `engine.next_turn(role, text)` renders a tool's or a user's
+a rollout function never sees a pause; `RolloutEngine.next_turn(role, text)` renders a tool's or a user's
 turn through the chat template, once. A `Trajectory` (`trajectory.py`) holds the model's turns and the
 environment's tokens between them; only the model's are trained.
 
 The producer keeps everything else: which group runs when (the version gate), the ledger, retries of
 a failed engine, the control channel. A function is called in one of the producer's threads, once
-per group attempt, and may call `engine.generate` as often as it likes. Built in:
+per group attempt, and may call `RolloutEngine.generate` as often as it likes. Built in:
 `nano_miles.rollouts.single_turn:rollout` (the default: one answer per sample) and
 `nano_miles.rollouts.tools:rollout` (a model that calls a calculator between its turns).
 """

@@ -7,7 +7,7 @@ Each sample is a conversation of up to `rollout.max_turns` model turns. A turn t
 
 (the expression itself, or the Qwen2.5 / Hermes convention `<tool_call>{"name": "calculator",
 "arguments": {"expression": "(7*4)+12"}}</tool_call>`) is answered: the calculator's result goes back
-as a `tool` turn, rendered by the model's chat template and tokenized once (`engine.next_turn`), and
+as a `tool` turn, rendered by the model's chat template and tokenized once (`RolloutEngine.next_turn`), and
 the model writes its next turn after it. A turn without a call, a turn cut at the token budget, or
 the last turn allowed ends the conversation. Every sample's tool turns are read, never trained.
 

@@ -40,7 +40,6 @@ TOKEN_DTYPE = np.dtype("<i4")
 FLOAT_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
 NO_VERSION = -1  # the version of a token the environment wrote: no weights generated it
-# ---------------------------------------------------------------- messages
 
 
 @dataclass(eq=False)
