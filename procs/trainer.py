@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
                         f"{torch.cuda.device_count()} CUDA devices here")
     tokenizer = load_tokenizer(cfg.model_dir)
     stops = stop_token_ids(cfg.model_dir, tokenizer, chat_template=cfg.task.chat_template)
-    worker = RewardWorker(reward_fn, cfg.reward.timeout_s)
+    worker = RewardWorker(reward_fn, cfg.reward.timeout_s, cfg.reward.num_workers)
     worker.start()  # forked now, before the model, sockets and threads exist
     evaluator = make_evaluator(cfg, test_problems, tokenizer, worker, stops)
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)

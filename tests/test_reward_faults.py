@@ -85,7 +85,7 @@ def raises_on_every_label(response: str, label: str) -> dict[str, float]:
 
 
 # the ways a reward function is broken rather than unlucky, and the error each one's line names
-BROKEN = {returns_text: "AttributeError: 'str' object has no attribute 'items'",
+BROKEN = {returns_text: "TypeError: a reward function returns a float or a dict of floats, not str",
           takes_one_argument: "TypeError: takes_one_argument() takes 1 positional argument but 2 were given",
           raises_on_every_label: "ValueError: cannot parse the label 'x'"}
 
@@ -184,8 +184,8 @@ def test_the_reward_process_exits_2_with_one_line(tmp_path):
         ctx.term()
     assert proc.returncode == 2 and "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == ("reward: reward.fn 'broken_reward:reward' failed on all 4 samples "
-                                               "of a batch; the last: reward_error: AttributeError: 'str' object "
-                                               "has no attribute 'items'"), stderr
+                                               "of a batch; the last: reward_error: TypeError: a reward function "
+                                               "returns a float or a dict of floats, not str"), stderr
 
 
 def test_the_trainers_evaluation_stops_on_a_broken_function_too(engine_url, policy_dir):

@@ -3,6 +3,7 @@ and a reward function with only a "reward" key carried through scoring, the step
 Run: pytest tests/test_rewards.py
 """
 
+import os
 import time
 
 import numpy as np
@@ -41,6 +42,11 @@ GSM8K_LABEL = "Sam has 7*4=28 marbles. Then 28+12=40.\n#### 40"
     ("<answer></answer>", "40", 0, False),
     ("\x00\x01 }{ \\boxed{ ]][[ %%", "40", 0, False),                        # garbage
     ("\\boxed{40", "40", 1, False),                                          # unclosed box: last number
+    ("#### 0.33", "\\frac{1}{3}", 0, True),                                  # values compare exactly:
+    ("\\boxed{0.3333333}", "\\frac{1}{3}", 0, True),                         # a near miss is a miss
+    ("\\boxed{1.41421356}", "\\sqrt{2}", 0, True),
+    ("\\boxed{0.25}", "\\frac{1}{4}", 1, True),                              # an exact decimal is a hit
+    ("#### 2", "\\sqrt{4}", 1, True),
 ])
 def test_math_reward_table(response, label, accuracy, is_marked):
     out = reward(response, label)
@@ -147,7 +153,7 @@ def test_a_reward_stage_sums_the_task_reward_and_the_overlong_penalty_with_the_s
         group = RolloutGroup("e0-i0", 0, np.array([5, 6], np.int32), samples, metadata={"label": "7"})
         decoded = {n: t for n, t in zip(lengths, texts)}
         scored = score_group(group, worker, lambda ids: decoded[len(ids)],
-                             facts=lambda n, why: sample_facts(cfg, n, why))
+                             facts=lambda _, s: sample_facts(cfg, len(s.response_tokens), s.finish_reason))
     finally:
         worker.stop()
     from nano_miles.tasks.arithmetic import reward as arithmetic
@@ -163,3 +169,81 @@ def test_a_reward_function_that_asks_for_an_unknown_keyword_is_refused_at_load()
     with pytest.raises(UserError, match=r"^reward.fn: keyword parameter 'temperature' is not one a reward "
                                         r"function can be given \(one of num_response_tokens, finish_reason"):
         load_reward(RewardConfig(fn="tests.test_rewards:needs_a_stranger"))
+
+
+def record_reward(prompt, response, label, *, difficulty, turns):
+    """The (prompt, response, label, **fields) form, naming what it wants; returns a float."""
+    return float(response == label) + 0.1 * difficulty + 0.01 * len(turns) + 0.001 * len(prompt)
+
+
+def everything_reward(prompt, response, label, **fields):
+    """The same form taking every field: the parts say what it was given."""
+    return {"reward": 1.0, "num_turns": len(fields["turns"]), "has_source": float(fields["source"] == "mine"),
+            "finish_is_stop": float(fields["finish_reason"] == "stop")}
+
+
+def test_a_reward_function_may_take_the_record_and_the_turns_and_return_a_float(tmp_path):
+    """Chosen by the signature: the record's fields (from a data file's other keys), the prompt as the
+    task gives it and the trajectory's turns reach the function through the real reward stage."""
+    from nano_miles.stages.reward.scorer import RewardStage
+    from nano_miles.tasks.files import read_problems
+    import json
+    import zmq
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "What is 2+3?", "answer": "5", "difficulty": 2, "source": "mine"}) + "\n")
+    problems = read_problems(data, ("question", "answer"), "train")
+    assert problems[0].fields == {"difficulty": 2, "source": "mine"}
+    decode = {5: "5", 6: "<tool_call>2+3</tool_call>", 7: "tool: 5"}.__getitem__
+    text = lambda ids: "".join(decode(int(i)) for i in ids)  # noqa: E731
+    two_turns = Sample(np.array([6, 7, 5], np.int32), np.array([-1, 0, -1], np.float32), np.array([0, -1, 0], np.int32),
+                       "stop", np.array([1, 0, 1], np.uint8))
+    one_turn = Sample(np.array([5], np.int32), np.array([-1], np.float32), np.array([0], np.int32), "length")
+    group = RolloutGroup("e0-i0", 0, np.array([9], np.int32), [two_turns, one_turn], metadata={"label": "5", "index": 0})
+    results = {}
+    for name, fn in (("record", record_reward), ("everything", everything_reward)):
+        cfg = load_config(overrides=[f"--reward.endpoint=ipc://{tmp_path}/r-{name}", f"--trainer.endpoint=ipc://{tmp_path}/t",
+                                     "--reward.metrics_port=0"])
+        ctx = zmq.Context()
+        stage = RewardStage(cfg, ctx, load_reward(RewardConfig(fn=f"tests.test_rewards:{name}_reward")), text, problems)
+        try:
+            results[name] = score_group(group, stage.worker, text, facts=stage.facts)
+        finally:
+            stage.close()
+            stage.pull.close(linger=0)
+            stage.push.close(linger=0)
+            ctx.term()
+    # the response is the model's last turn: "5" for both samples; three turns, then one
+    assert results["record"].rewards.tolist() == pytest.approx([1 + 0.2 + 0.03 + 0.012, 1 + 0.2 + 0.01 + 0.012])
+    parts = {k: v.tolist() for k, v in results["everything"].reward_parts.items()}
+    assert parts == {"num_turns": [3.0, 1.0], "has_source": [1.0, 1.0], "finish_is_stop": [1.0, 0.0]}
+
+
+def slow_verifier(response: str, label: str) -> dict[str, float]:
+    """A verifier that takes its time (code execution, say), and dies on "exit"."""
+    if response == "exit":
+        os._exit(3)
+    time.sleep(0.3)
+    return {"reward": float(response == label)}
+
+
+def test_a_groups_samples_are_scored_in_parallel_and_a_dying_worker_costs_one_sample():
+    samples = [Sample(np.array([t], np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32), "stop")
+               for t in (1, 1, 2, 1, 1, 1, 1, 1)]
+    group = RolloutGroup("e0-i0", 0, np.array([9], np.int32), samples, metadata={"label": "yes"})
+    decode = {1: "yes", 2: "exit"}.__getitem__
+    elapsed, scored = {}, {}
+    for num_workers in (1, 4):
+        worker = RewardWorker(slow_verifier, timeout_s=5.0, num_workers=num_workers)
+        worker.start()
+        failed = []
+        try:
+            started = time.perf_counter()
+            scored[num_workers] = score_group(group, worker, lambda ids: decode(int(ids[0])),
+                                              on_failure=lambda i, f: failed.append((i, f.reason)))
+            elapsed[num_workers] = time.perf_counter() - started
+        finally:
+            worker.stop()
+        assert failed == [(2, "reward_error")] and worker.num_restarts == 1
+        assert scored[num_workers].rewards.tolist() == [1, 1, 0, 1, 1, 1, 1, 1]
+    assert elapsed[1] > 7 * 0.3 and elapsed[4] < elapsed[1] / 2, elapsed

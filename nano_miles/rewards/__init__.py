@@ -1,15 +1,22 @@
 """Reward functions, plugged in by dotted path: one (`reward.fn`) or several with weights (`reward.fns`).
 Used as a library: `load_reward(cfg.reward)(response, label)`.
 
-A reward function takes `(response: str, label: str)` and returns a dict of floats with at least
-the key "reward"; any other key (e.g. "format", "accuracy") is logged as a reward part. Evaluation
+A reward function takes `(response: str, label: str)`, or `(prompt, response, label, **fields)`
+(chosen by its signature: a first parameter named `prompt`, as TRL passes dataset columns), and
+returns a float or a dict of floats with at least the key "reward"; any other key (e.g. "format",
+"accuracy") is logged as a reward part. The response is the model's last turn. The second form also
+gets the prompt as the task gives it (text or chat messages), `turns` (the whole trajectory after the
+prompt: [{"role": "assistant" or "environment", "content": text}], the model's turns and what its
+environment wrote between them), the record's other fields (a data file's other keys) and the facts
+below: every one with `**fields`, else those it names. Evaluation
 reports held-out accuracy from the "accuracy" part when the function has one, and the mean reward
 always. With `reward.fns = ["a:fn", "b:fn"]` and `reward.weights = [1.0, 0.2]` the reward is the
 weighted sum, every function's parts are logged under its name (`math/accuracy`, `b/reward`), and
 the plain "accuracy" and "format" parts are those of the first function that reports them. Reward
-functions always run in the reward stage's forked worker, with its per-sample timeout; a sample the
-function fails on scores 0, and a function that fails on a whole group, or on more than
-`reward.max_failure_fraction` of the samples, stops the run (`worker.FailureLimit`).
+functions always run in forked workers (`reward.num_workers` of them, scoring a group's samples in
+parallel), with a per-sample timeout; a sample the function fails on scores 0, and a function that
+fails on a whole group, or on more than `reward.max_failure_fraction` of the samples, stops the run
+(`worker.FailureLimit`).
 Built in: `nano_miles.rewards.math:reward` (verifiable math answers), `nano_miles.rewards.overlong:reward`
 (DAPO's soft length penalty, to add to another through `reward.fns`) and the arithmetic task's own
 `nano_miles.tasks.arithmetic:reward`.
@@ -34,11 +41,22 @@ SHARED_PARTS = ("accuracy", "format")  # kept unprefixed from the first function
 REWARD_KEYWORDS = ("num_response_tokens", "finish_reason", "max_new_tokens", "overlong_buffer", "overlong_penalty")
 
 
-def sample_facts(cfg, num_response_tokens: int, finish_reason: str) -> dict:
-    """What a reward function may ask for by keyword (REWARD_KEYWORDS), for one sample of a run."""
-    return {"num_response_tokens": num_response_tokens, "finish_reason": finish_reason,
+def sample_facts(cfg, num_response_tokens: int, finish_reason: str, *, prompt=None, turns: list | None = None,
+                 fields: dict | None = None) -> dict:
+    """What a reward function may be given besides (response, label), for one sample of a run: the
+    REWARD_KEYWORDS, and for the `(prompt, response, label, **fields)` form the prompt, the turns and
+    the record's fields (a field named like a fact gives way to the fact)."""
+    return {**(fields or {}), "prompt": prompt, "turns": turns or [],
+            "num_response_tokens": num_response_tokens, "finish_reason": finish_reason,
             "max_new_tokens": cfg.rollout.max_new_tokens, "overlong_buffer": cfg.reward.overlong_buffer,
             "overlong_penalty": cfg.reward.overlong_penalty}
+
+
+def sample_turns(sample, decode) -> list[dict]:
+    """A sample's trajectory as the reward function's `turns`: the model's turns ("assistant") and the
+    environment's ("environment"), in order, as text."""
+    return [{"role": "assistant" if is_model else "environment", "content": decode(sample.response_tokens[a:b])}
+            for a, b, is_model in sample.turns]
 
 
 def response_text(sample, decode) -> str:
@@ -63,19 +81,48 @@ def declared_keywords(fn, key: str) -> tuple[str, ...]:
     return tuple(p.name for p in keyword_only if p.name in REWARD_KEYWORDS)
 
 
+def as_parts(out) -> dict:
+    """A reward function's answer as its parts: a dict as it is, a number as {"reward": it}."""
+    if isinstance(out, dict):
+        return out
+    if isinstance(out, (int, float)) and not isinstance(out, bool):
+        return {"reward": out}
+    raise TypeError(f"a reward function returns a float or a dict of floats, not {type(out).__name__}")
+
+
+def takes_record(fn) -> bool:
+    """Whether `fn` has the `(prompt, response, label, **fields)` form (its first parameter is `prompt`)."""
+    try:
+        first = next(iter(inspect.signature(fn).parameters), None)
+    except (TypeError, ValueError):  # a builtin or C callable: it takes (response, label)
+        return False
+    return first == "prompt"
+
+
 def with_facts(fn, key: str):
-    """`fn` as a function of (response, label, facts=None) that passes it the keywords it declares
-    (`fn` itself if it is one already: what `load_reward` returns)."""
+    """`fn` as a function of (response, label, facts=None) that passes it what its form asks for and
+    returns its parts (`fn` itself if it is one already: what `load_reward` returns)."""
     if getattr(fn, "takes_facts", False):
         return fn
-    names = declared_keywords(fn, key)
+    if takes_record(fn):
+        params = list(inspect.signature(fn).parameters.values())[3:]
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        names = {p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL}
 
-    def call(response: str, label: str, facts: dict | None = None) -> dict[str, float]:
-        if not names:
-            return fn(response, label)
-        if facts is None:
-            raise TypeError(f"{key} needs {', '.join(names)}, which only a scored sample has")
-        return fn(response, label, **{n: facts[n] for n in names})
+        def call(response: str, label: str, facts: dict | None = None) -> dict[str, float]:
+            rest = dict(facts or {})
+            prompt = rest.pop("prompt", None)
+            return as_parts(fn(prompt, response, label, **(rest if takes_all else
+                                                           {n: v for n, v in rest.items() if n in names})))
+    else:
+        keywords = declared_keywords(fn, key)
+
+        def call(response: str, label: str, facts: dict | None = None) -> dict[str, float]:
+            if not keywords:
+                return as_parts(fn(response, label))
+            if facts is None:
+                raise TypeError(f"{key} needs {', '.join(keywords)}, which only a scored sample has")
+            return as_parts(fn(response, label, **{n: facts[n] for n in keywords}))
     call.takes_facts = True
     return call
 

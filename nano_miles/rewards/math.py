@@ -4,9 +4,10 @@ Plug-in: `--reward.fn=nano_miles.rewards.math:reward`; as a library, `reward("..
 The final answer is taken, in this order of preference, from the last `\\boxed{...}`, the last
 `<answer>...</answer>`, the last GSM8K-style `#### N` line, or else the last number in the text. A
 label may be a bare answer (`40`, `\\frac{1}{2}`) or a GSM8K solution ending in `#### N` (only what
-follows the last `####` counts). Plain numbers (integers, decimals, fractions, thousands commas) are
-compared exactly as fractions; anything else (LaTeX, expressions) goes to math-verify's symbolic
-comparison. Parts: `accuracy` (1 if equal), `format` (1 if the answer was marked: boxed, tagged or
+follows the last `####` counts). Values are compared exactly: plain numbers (integers, decimals,
+fractions, thousands commas) as fractions, a plain number against an expression (`\\frac{1}{3}`) with
+the expression's exact value (0.33 or 0.3333333 for 1/3 score 0), and two expressions by math-verify's
+symbolic comparison. Parts: `accuracy` (1 if equal), `format` (1 if the answer was marked: boxed, tagged or
 `####`, not just a last number), and `reward` = accuracy.
 
 Every scan is linear in the response, and only the extracted answer (at most MAX_ANSWER_CHARS)
@@ -94,6 +95,20 @@ def as_fraction(text: str) -> Fraction | None:
         return None
 
 
+def exact_value(parsed) -> Fraction | bool:
+    """The exact rational value of a number math-verify parsed (`\\frac{2}{6}`, `2^{-1}`); False for a
+    number without one (`\\sqrt{2}`), True for what is not a number (a set, a symbol)."""
+    import sympy
+
+    expr = parsed[0] if parsed else None
+    if not isinstance(expr, sympy.Basic) or not expr.is_number:
+        return True
+    value = sympy.simplify(expr)
+    if value.is_Rational:
+        return Fraction(int(value.p), int(value.q))
+    return Fraction(str(value)) if isinstance(value, sympy.Float) else False  # a decimal, as written
+
+
 def is_equal(answer: str, expected: str) -> bool:
     if len(answer) > MAX_ANSWER_CHARS or len(expected) > MAX_ANSWER_CHARS:
         return False
@@ -105,6 +120,10 @@ def is_equal(answer: str, expected: str) -> bool:
     def parsed(text):
         return parse(f"${text}$", parsing_timeout=2) or parse(text, parsing_timeout=2)
     gold, pred = parsed(expected), parsed(answer)
+    value = exact_value(gold if b is None else pred) if a is not None or b is not None else True
+    if value is not True:  # a plain number against a number written otherwise: equal exactly, or not at
+        # all (math-verify would round both to 6 places: 0.3333333 is not 1/3, 1.41421356 is not sqrt(2))
+        return value == (a if a is not None else b)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=2))
 
 

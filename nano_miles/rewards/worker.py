@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+from concurrent.futures import ThreadPoolExecutor
 
 from nano_miles.rewards import with_facts
 from nano_miles.run.child import TIMEOUT, CallFailed, ChildFunction
@@ -38,30 +40,44 @@ def _as_floats(fn):
 
 
 class RewardWorker:
-    """Calls `reward_fn(response, label)` in a forked child (`nano_miles/run/child.py`), at most
-    `timeout_s` per call; with `facts` (`nano_miles.rewards.sample_facts`) `reward_fn(response, label, facts)`."""
+    """Calls `reward_fn(response, label)` in forked children (`nano_miles/run/child.py`), at most
+    `timeout_s` per call; with `facts` (`nano_miles.rewards.sample_facts`) what its form asks for. With
+    `num_workers` > 1 that many children answer at once: calls from several threads (`score_all`) run
+    in parallel, each on a free child, so a slow verifier does not serialize a group."""
 
-    def __init__(self, reward_fn, timeout_s: float):
+    def __init__(self, reward_fn, timeout_s: float, num_workers: int = 1):
         # as a function of (response, label, facts): what `load_reward` returns, or any (response, label) one
-        self.child = ChildFunction(_as_floats(with_facts(reward_fn, "the reward function")), timeout_s,
-                                   name="reward worker")
+        fn = _as_floats(with_facts(reward_fn, "the reward function"))
+        self.children = [ChildFunction(fn, timeout_s, name="reward worker") for _ in range(num_workers)]
+        self.free: queue.SimpleQueue[ChildFunction] = queue.SimpleQueue()
+        for child in self.children:
+            self.free.put(child)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.children)
 
     @property
     def num_restarts(self) -> int:
-        return self.child.num_restarts
+        return sum(c.num_restarts for c in self.children)
 
     def start(self) -> None:
-        self.child.start()
+        for child in self.children:
+            child.start()
 
     def stop(self) -> None:
-        self.child.stop()
+        for child in self.children:
+            child.stop()
 
     def __call__(self, response: str, label: str, facts: dict | None = None) -> dict[str, float]:
         """The reward and its parts, all finite floats; RewardFailure naming the reason otherwise."""
+        child = self.free.get()
         try:
-            value = self.child(response, label, facts)
+            value = child(response, label, facts)
         except CallFailed as e:
             raise RewardFailure(REASON_TIMEOUT if e.reason == TIMEOUT else REASON_ERROR, e.detail) from None
+        finally:
+            self.free.put(child)
         if "reward" not in value:
             raise RewardFailure(REASON_ERROR, f"no 'reward' key in {sorted(value)[:8]}")
         bad = [k for k, v in value.items() if not math.isfinite(v)]
@@ -103,3 +119,16 @@ def score(worker: RewardWorker, response: str, label: str, on_failure=None, fact
         if on_failure is not None:
             on_failure(failure)
         return {"reward": 0.0}
+
+
+def score_all(worker: RewardWorker, items: list[tuple[str, str, dict | None]], on_failure=None) -> list[dict[str, float]]:
+    """`score` of every (response, label, facts) item, in order, as many at once as `worker` has
+    children; `on_failure(index, failure)` hears of each sample that could not be scored."""
+    def one(index: int) -> dict[str, float]:
+        response, label, facts = items[index]
+        return score(worker, response, label, None if on_failure is None else
+                     lambda failure: on_failure(index, failure), facts)
+    if worker.num_workers == 1 or len(items) <= 1:
+        return [one(i) for i in range(len(items))]
+    with ThreadPoolExecutor(min(worker.num_workers, len(items)), thread_name_prefix="reward") as pool:
+        return list(pool.map(one, range(len(items))))

@@ -176,6 +176,7 @@ class RewardConfig(Section):
     weights: list = checked([], NUMBERS)              # one per function of `fns`; [] = all 1.0
     endpoint: str = checked("tcp://127.0.0.1:5702", ENDPOINT)  # PULL, bound by the reward stage
     timeout_s: float = checked(5.0, above(0))         # per-sample budget of the reward function
+    num_workers: int = checked(4, at_least(1))        # forked workers scoring a group's samples in parallel
     max_failure_fraction: float = checked(0.5, between(0, 1))  # a function that fails (raises, hangs, returns
                                                       # no finite reward) on more than this share of the samples
                                                       # scored so far, or on a whole group, stops the run

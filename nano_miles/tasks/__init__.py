@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 class Problem:
     prompt: str | tuple  # text for a user turn, or chat messages ({"role", "content"} dicts)
     answer: str          # the label handed to the reward function
+    fields: dict = dataclasses.field(default_factory=dict, compare=False)  # the record's other keys, for
+                         # a reward function of the (prompt, response, label, **fields) form
 
 
 def load_task(name: str):

@@ -149,7 +149,8 @@ def read_problems(path_text: str, key_names: tuple[str, str], split: str) -> lis
         if isinstance(label, bool) or not isinstance(label, (str, int, float)):
             raise UserError(f"{where}: {label_key!r} must be text or a number (the reward function gets it "
                             f"as text), not {type(label).__name__}")
-        problems.append(Problem(prompt, label if isinstance(label, str) else json.dumps(label)))
+        fields = {k: v for k, v in record.items() if k not in (prompt_key, label_key)}  # for the reward function
+        problems.append(Problem(prompt, label if isinstance(label, str) else json.dumps(label), fields))
     if not problems:
         raise UserError(f"{path}: no records")
     return problems

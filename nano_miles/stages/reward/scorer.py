@@ -7,7 +7,8 @@ which turns the rewards of a whole step into advantages. The stage scores, nothi
 that looks at the whole batch needs the trainer's view, and an algorithm change stays in one process. Stateless: a restart loses nothing it owned; groups
 caught in its buffers are re-issued upstream.
 
-The reward function runs in a child worker (`nano_miles/rewards/worker.py`) with `reward.timeout_s` per sample: a
+The reward function runs in child workers (`nano_miles/rewards/worker.py`, `reward.num_workers` of them
+scoring a group's samples at once) with `reward.timeout_s` per sample: a
 sample whose function raises, hangs or returns a non-finite value gets reward 0 (parts 0), is counted
 by reason and logged in one line, and the stage goes on with the next sample. A function that fails
 on a whole group, or on more than `reward.max_failure_fraction` of the samples, is broken, not unlucky:
@@ -25,8 +26,8 @@ import zmq
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.rewards import describe, response_text, sample_facts
-from nano_miles.rewards.worker import REASONS, FailureLimit, RewardFailure, RewardWorker, score
+from nano_miles.rewards import describe, response_text, sample_facts, sample_turns
+from nano_miles.rewards.worker import REASONS, FailureLimit, RewardFailure, RewardWorker, score_all
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 from nano_miles.wire.sockets import make_socket
 
@@ -37,17 +38,15 @@ LOG_EVERY_S = 10.0    # and says what it waits for this often
 
 
 def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=None, facts=None) -> ScoredGroup:
-    """Run the reward function on each sample's response (its model's last turn, `response_text`);
-    `facts(num_response_tokens, finish_reason)`
-    gives the keywords a function may ask for (`nano_miles.rewards.sample_facts`), None none.
+    """Run the reward function on each sample's response (its model's last turn, `response_text`), the
+    samples in parallel on the worker's children; `facts(group, sample)` gives what a function may ask
+    for besides (`nano_miles.rewards.sample_facts`), None nothing.
 
     A sample that cannot be scored gets 0 in the reward and every part; `on_failure(index, failure)`
     is told about it."""
     label = str(group.metadata.get("label", ""))
-    outs = [score(worker, response_text(sample, decode), label,
-                  None if on_failure is None else lambda failure, i=index: on_failure(i, failure),
-                  None if facts is None else facts(len(sample.response_tokens), sample.finish_reason))
-            for index, sample in enumerate(group.samples)]
+    outs = score_all(worker, [(response_text(sample, decode), label, None if facts is None else facts(group, sample))
+                              for sample in group.samples], on_failure)
     part_names = sorted({k for out in outs for k in out if k != "reward"})
     rewards = np.asarray([out["reward"] for out in outs], np.float32)
     parts = {k: np.asarray([out.get(k, 0.0) for out in outs], np.float32) for k in part_names}
@@ -55,18 +54,25 @@ def score_group(group: RolloutGroup, worker: RewardWorker, decode, on_failure=No
 
 
 class RewardStage:
-    def __init__(self, cfg: Config, ctx: zmq.Context, reward_fn, decode):
+    def __init__(self, cfg: Config, ctx: zmq.Context, reward_fn, decode, problems=()):
         self.pull = make_socket(ctx, zmq.PULL, cfg.reward.endpoint, bind=True)
         self.push = make_socket(ctx, zmq.PUSH, cfg.trainer.endpoint, bind=False)
-        self.worker = RewardWorker(reward_fn, cfg.reward.timeout_s)
+        self.worker = RewardWorker(reward_fn, cfg.reward.timeout_s, cfg.reward.num_workers)
         self.worker.start()
         self.decode = decode
-        self.facts = lambda num_tokens, finish_reason: sample_facts(cfg, num_tokens, finish_reason)
+        self.cfg, self.problems = cfg, problems  # the train split: a group's prompt and record fields, by index
         self.num_received = self.num_sent = self.num_rejected = 0
         self.failures = dict.fromkeys(REASONS, 0)
         self.limit = FailureLimit(describe(cfg.reward), cfg.reward.max_failure_fraction)
         self.group_failures: list[RewardFailure] = []  # of the group being scored
         self.metrics = RewardMetrics(cfg)
+
+    def facts(self, group: RolloutGroup, sample) -> dict:
+        index = group.metadata.get("index")
+        problem = self.problems[index] if isinstance(index, int) and 0 <= index < len(self.problems) else None
+        return sample_facts(self.cfg, len(sample.response_tokens), sample.finish_reason,
+                            prompt=None if problem is None else problem.prompt,
+                            turns=sample_turns(sample, self.decode), fields=None if problem is None else problem.fields)
 
     def on_failure(self, group_id: str, index: int, failure: RewardFailure) -> None:
         self.failures[failure.reason] += 1

@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 
 from nano_miles.engine.client import sampling_seed
-from nano_miles.rewards import describe, response_text, sample_facts
-from nano_miles.rewards.worker import FailureLimit, score
+from nano_miles.rewards import describe, response_text, sample_facts, sample_turns
+from nano_miles.rewards.worker import FailureLimit, score_all
 from nano_miles.rollouts import RolloutEngine, load_rollout, make_records, sample_group
 from nano_miles.run.config import Config
+from nano_miles.tasks import Problem
 from nano_miles.tasks.prompts import encode_prompts, make_decoder
 
 log = logging.getLogger("trainer")
@@ -85,11 +86,12 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
         with ThreadPoolExecutor(min(len(records), MAX_EVAL_THREADS), thread_name_prefix="eval") as pool:
             return [s for group in pool.map(one, records) for s in group]
 
-    def scores(samples, labels) -> list[dict[str, float]]:
+    def scores(samples, of_problem: list[Problem]) -> list[dict[str, float]]:
+        """The reward and parts of each sample, `of_problem[i]` the problem of sample i."""
         failures = []
-        parts = [score(worker, response_text(s, decode), label, failures.append,
-                       sample_facts(cfg, len(s.response_tokens), s.finish_reason))
-                 for s, label in zip(samples, labels)]
+        parts = score_all(worker, [(response_text(s, decode), p.answer, sample_facts(
+            cfg, len(s.response_tokens), s.finish_reason, prompt=p.prompt, turns=sample_turns(s, decode),
+            fields=p.fields)) for s, p in zip(samples, of_problem)], lambda _, failure: failures.append(failure))
         if failures:
             log.warning("the reward function failed on %d of %d held-out samples (scored 0); the last: %s",
                         len(failures), len(parts), failures[-1])
@@ -97,13 +99,12 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
         return parts
 
     def evaluate(engine, step: int, elapsed_s: float) -> EvalResult:
-        labels = [p.answer for p in problems]
-        parts = scores(rollouts(engine, step, 1, 0.0), labels)
+        parts = scores(rollouts(engine, step, 1, 0.0), problems)
         has_accuracy = any("accuracy" in p for p in parts)
         accuracy = sum(p.get("accuracy", 0.0) for p in parts) / len(parts) if has_accuracy else None
         pass_at_k = None
         if k > 1:
-            sampled = scores(rollouts(engine, step, k, r.temperature), [label for label in labels for _ in range(k)])
+            sampled = scores(rollouts(engine, step, k, r.temperature), [p for p in problems for _ in range(k)])
             pass_at_k = sum(any(is_solved(s) for s in sampled[i * k:(i + 1) * k])
                             for i in range(len(problems))) / len(problems)
         others = sorted({name for p in parts for name in p} - {"reward", "accuracy"})
