@@ -10,7 +10,7 @@ from pathlib import Path
 from nano_miles.run.cli import ArgumentParser, UserError, run
 
 SHAPES = ("large", "medium", "small")  # build.MODEL_SHAPES, named here so --help needs no torch
-FORMAT_NAMES = ("raw", "chat", "word")  # formats.FORMATS, likewise
+FORMAT_NAMES = ("raw", "chat", "word", "tool")  # formats.FORMATS, likewise
 NUM_TEST = 1945  # the smallest test split of the formats (word problems), so --num fits every one
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from nano_miles.policy.formats import FORMATS, encode_prompt, format_expressions, format_problem, tag_first_step
 from nano_miles.policy.tokenizer import EOS, IM_END, MAX_POSITIONS, PAD, UNK, VOCAB, build_tokenizer
+from nano_miles.tasks.prompts import turn_ids
 
 # "small" is the shipped CPU policy. "medium" (3.2 M parameters, 4x) is the quick GPU demo: its
 # warm-up takes a minute on one GPU, and it can learn the task to high accuracy. "large" (39.5 M) is
@@ -72,7 +73,8 @@ def build_model(seed: int, shape: str = "small"):
 
 def make_batch(tokenizer, fmt: str, expressions, is_first_step_answer=None) -> dict:
     """Right-padded prompt + response + end token in format `fmt`; labels are -100 except on the
-    response and its end token. Where `is_first_step_answer[i]`, row i's answer is the first step's."""
+    model's turns and their end tokens (a tool's turn between them is read, not taught). Where
+    `is_first_step_answer[i]`, row i's answer is the first step's (formats of one turn)."""
     import torch
 
     is_chat, end = FORMATS[fmt]
@@ -80,12 +82,21 @@ def make_batch(tokenizer, fmt: str, expressions, is_first_step_answer=None) -> d
     rows, label_rows = [], []
     for i, e in enumerate(expressions):
         problem, response = format_problem(fmt, e)
-        if is_first_step_answer is not None and is_first_step_answer[i]:
-            response = tag_first_step(response, e)
+        if isinstance(response, str):
+            if is_first_step_answer is not None and is_first_step_answer[i]:
+                response = tag_first_step(response, e)
+            response = [(response, True)]
         prompt_ids = encode_prompt(tokenizer, problem, chat_template=is_chat)
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [end_id]
-        rows.append(prompt_ids + response_ids)
-        label_rows.append([-100] * len(prompt_ids) + response_ids)
+        row, labels = list(prompt_ids), [-100] * len(prompt_ids)
+        for text, is_model in response:  # each turn as the pipeline appends it: the model's, or the tool's
+            if is_model:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [end_id]
+            else:
+                ids = turn_ids(tokenizer, {"role": "tool", "content": text})
+            row += ids
+            labels += ids if is_model else [-100] * len(ids)
+        rows.append(row)
+        label_rows.append(labels)
     max_len = max(len(r) for r in rows)
     pad = lambda r, v: r + [v] * (max_len - len(r))  # noqa: E731
     return {

@@ -10,16 +10,17 @@ from nano_miles.tasks import Problem
 MAX_NEW_TOKENS = 40
 
 
-def generate(model, tokenizer, prompts: list[list[int]], *, num_samples: int, temperature: float,
-             max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[str]]:
-    """Per prompt, `num_samples` decoded responses (greedy when temperature is 0), ended by any of
-    the model's EOS ids (generation_config.json)."""
+def generate_ids(model, tokenizer, prompts: list[list[int]], *, num_samples: int, temperature: float,
+                 max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[list[int]]]:
+    """Per prompt, `num_samples` responses as ids (greedy when temperature is 0), each ending with the
+    first of the model's EOS ids (generation_config.json) it wrote, that id included."""
     import torch
 
+    eos = set(model.generation_config.eos_token_id)
     by_length: dict[int, list[int]] = {}
     for i, ids in enumerate(prompts):
         by_length.setdefault(len(ids), []).append(i)
-    out: list[list[str]] = [[] for _ in prompts]
+    out: list[list[list[int]]] = [[] for _ in prompts]
     # Equal-length groups need no padding, so no position or mask subtleties.
     for indices in by_length.values():
         input_ids = torch.tensor([prompts[i] for i in indices], device=model.device)
@@ -30,10 +31,40 @@ def generate(model, tokenizer, prompts: list[list[int]], *, num_samples: int, te
                                   max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
                                   eos_token_id=model.generation_config.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id, **sampling)
-        texts = tokenizer.batch_decode(seqs[:, input_ids.shape[1]:], skip_special_tokens=True)
+        responses = []
+        for row in seqs[:, input_ids.shape[1]:].tolist():
+            end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            responses.append(row[:end])
         for k, i in enumerate(indices):
-            out[i] = texts[k * num_samples:(k + 1) * num_samples]
+            out[i] = responses[k * num_samples:(k + 1) * num_samples]
     return out
+
+
+def generate(model, tokenizer, prompts: list[list[int]], *, num_samples: int, temperature: float,
+             max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[str]]:
+    """Per prompt, `num_samples` decoded responses (see `generate_ids`), special tokens dropped."""
+    return [tokenizer.batch_decode(group, skip_special_tokens=True) for group in
+            generate_ids(model, tokenizer, prompts, num_samples=num_samples, temperature=temperature,
+                         max_new_tokens=max_new_tokens)]
+
+
+def converse(model, tokenizer, prompts: list[list[int]], *, num_samples: int, temperature: float) -> list[list[str]]:
+    """The `tool` format's conversations, as `nano_miles.rollouts.tools` holds them with `rollout.max_turns`
+    = 2: per prompt, `num_samples` last turns. A first turn that calls the calculator hears its result
+    (computed here, in this process) and writes a second turn; one that does not is the last."""
+    from nano_miles.rollouts.calculator import calculate
+    from nano_miles.rollouts.tools import parse_call
+    from nano_miles.tasks.prompts import turn_ids
+
+    first = generate_ids(model, tokenizer, prompts, num_samples=num_samples, temperature=temperature)
+    texts = [[tokenizer.decode(ids, skip_special_tokens=True) for ids in group] for group in first]
+    pending = [(i, k, prompts[i] + ids + turn_ids(tokenizer, {"role": "tool", "content": calculate(call[1])}))
+               for i, group in enumerate(first) for k, ids in enumerate(group)
+               if (call := parse_call(texts[i][k])) is not None]
+    second = generate(model, tokenizer, [ids for _, _, ids in pending], num_samples=1, temperature=temperature)
+    for (i, k, _), (text,) in zip(pending, second):
+        texts[i][k] = text
+    return texts
 
 
 def evaluate_model(model, tokenizer, problems: list[Problem], *, fmt: str = "raw",
@@ -41,13 +72,14 @@ def evaluate_model(model, tokenizer, problems: list[Problem], *, fmt: str = "raw
     """Greedy accuracy and format rate, and pass@num_samples at temperature 1, scored by the reward
     function of `fmt`."""
     reward, (is_chat, _) = format_reward(fmt), FORMATS[fmt]
+    respond = converse if fmt == "tool" else generate
     prompts = [encode_prompt(tokenizer, p, chat_template=is_chat) for p in problems]
     greedy = [reward(r[0], p.answer) for r, p in
-              zip(generate(model, tokenizer, prompts, num_samples=1, temperature=0.0), problems)]
+              zip(respond(model, tokenizer, prompts, num_samples=1, temperature=0.0), problems)]
     result = {"greedy_accuracy": sum(s["accuracy"] for s in greedy) / len(problems),
               "format": sum(s["format"] for s in greedy) / len(problems)}
     if num_samples > 0:
-        samples = generate(model, tokenizer, prompts, num_samples=num_samples, temperature=1.0)
+        samples = respond(model, tokenizer, prompts, num_samples=num_samples, temperature=1.0)
         is_solved = [any(reward(s, p.answer)["accuracy"] for s in group) for group, p in zip(samples, problems)]
         result[f"pass@{num_samples}"] = sum(is_solved) / len(problems)
     return result
