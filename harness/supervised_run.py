@@ -26,7 +26,7 @@ from nano_miles.observe.run_record import read_jsonl
 class SupervisedRun:
     """The repo's supervisord.conf with its run directory moved to `run_dir`, on private endpoints."""
 
-    def __init__(self, run_dir: Path, overrides: list[str], *, is_autostart: bool = True):
+    def __init__(self, run_dir: Path, overrides: list[str], *, is_autostart: bool = True, config: str | None = None):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         text = (REPO / "supervisord.conf").read_text()
@@ -46,6 +46,8 @@ class SupervisedRun:
         self.env = {**os.environ,
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                     "NANOMILES_OVERRIDES": " ".join(shlex.quote(o) for o in self.overrides)}
+        if config is not None:  # a config file of the repo's, e.g. "configs/tools.toml"
+            self.env["NANOMILES_CONFIG"] = str(REPO / config)
         self.proc: subprocess.Popen | None = None
         self.output = run_dir / "supervisord.out"
 

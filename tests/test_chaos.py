@@ -14,12 +14,15 @@ CHAOS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.group_
          "--trainer.control_timeout_s=2", "--trainer.control_retries=2"]
 
 
-@pytest.mark.slow
-def test_kill_every_stage_twice_and_lose_nothing(tmp_path):
+def kill_every_stage_twice(run_dir, overrides: list[str], *, num_steps: int, batch_groups: int,
+                           config: str | None = None) -> dict:
+    """Run `overrides` (on `config`) under the real supervisord, SIGKILL every stage twice in a random
+    order at random times, and check that every group was trained exactly once and the engine serves
+    the final weights. The run's summary."""
     rng = random.Random(1234)
     victims = list(STAGES) * 2
     rng.shuffle(victims)
-    run = SupervisedRun(tmp_path / "run", CHAOS).start()
+    run = SupervisedRun(run_dir, overrides, config=config).start()
     restarts = []
     try:
         run.stage_pid("trainer")
@@ -32,20 +35,26 @@ def test_kill_every_stage_twice_and_lose_nothing(tmp_path):
         assert run.wait(timeout_s=900) == 0, run.tail()
     finally:
         run.stop()
-    (tmp_path / "kills.json").write_text(json.dumps(restarts))
+    (run_dir / "kills.json").write_text(json.dumps(restarts))
     summary = run.summary()
     ledger = json.loads((run.run_dir / "ledger.json").read_text())
     assert ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0, ledger
-    assert ledger["num_trained_once"] == 80 * 8
+    assert ledger["num_trained_once"] == num_steps * batch_groups
     steps = run.steps()
-    assert sorted(steps) == list(range(1, 81))
+    assert sorted(steps) == list(range(1, num_steps + 1))
     ids = [g for r in steps.values() for g in r["group_ids"]]
-    assert len(ids) == len(set(ids)) == 640, "a group was trained twice in the final model"
-    assert summary["engine_final_version"] == "80", "engine does not serve the final weights"
+    assert len(ids) == len(set(ids)) == num_steps * batch_groups, "a group was trained twice in the final model"
+    assert summary["engine_final_version"] == str(num_steps), "engine does not serve the final weights"
     assert summary["final_parity"] <= 1e-5, "engine weights differ from the trainer's"
     log = (run.run_dir / "supervisord.log").read_text()
     for stage in STAGES:
         assert log.count(f"exited: {stage} (terminated by SIGKILL") >= 2, stage
+    return summary
+
+
+@pytest.mark.slow
+def test_kill_every_stage_twice_and_lose_nothing(tmp_path):
+    kill_every_stage_twice(tmp_path / "run", CHAOS, num_steps=80, batch_groups=8)
 
 
 @pytest.mark.slow
