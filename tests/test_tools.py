@@ -72,11 +72,17 @@ def test_conversations_are_seeded_and_every_tool_turn_is_the_calculators_answer(
         producer = RolloutProducer(cfg, ctx, problems, encode_prompts(tokenizer, problems, cfg.task),
                                    stop_token_ids(cfg.model_dir, tokenizer, chat_template=True), tokenizer)
         try:
-            return [producer.generate_group(f"e0-i{i}", i) for i in range(2)], tokenizer
+            groups = [producer.generate_group(f"e0-i{i}", i) for i in range(2)]
+            for g in groups:  # as the producer counts a group it hands on
+                producer.metrics.sent(g)
+            counted[seed] = {name: producer.metrics.registry.get_sample_value(name) for name in
+                             ("nanomiles_model_turns_total", "nanomiles_environment_tokens_total")}
+            return groups, tokenizer
         finally:
             producer.close()
             ctx.destroy(linger=0)
 
+    counted = {}
     first, tokenizer = draw(0)
     again, _ = draw(0)
     other, _ = draw(1)
@@ -93,6 +99,9 @@ def test_conversations_are_seeded_and_every_tool_turn_is_the_calculators_answer(
                 num_tool_turns += 1
         assert (s.versions[~s.model_mask] == -1).all() and (s.logprobs[~s.model_mask] == 0).all()
     assert num_tool_turns >= 8  # of 16 samples: the taught policy calls its tool
+    samples_drawn = [s for g in first for s in g.samples]
+    assert counted[0] == {"nanomiles_model_turns_total": sum(m for s in samples_drawn for _, _, m in s.turns),
+                          "nanomiles_environment_tokens_total": sum(int((~s.model_mask).sum()) for s in samples_drawn)}
 
 
 @pytest.mark.slow

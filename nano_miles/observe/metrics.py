@@ -58,8 +58,9 @@ class StageMetrics:
 
 
 def response_tokens(group) -> int:
-    """Generated tokens of a RolloutGroup (the prompt is not counted: it was not generated)."""
-    return sum(len(s.response_tokens) for s in group.samples)
+    """Generated tokens of a RolloutGroup: the model's (neither the prompt nor what a multi-turn
+    rollout's environment wrote between turns was generated)."""
+    return sum(s.num_model_tokens for s in group.samples)
 
 
 class TokenRate:
@@ -98,6 +99,11 @@ class RolloutMetrics(StageMetrics):
                                        registry=r)
         self.dropped_for_good = Counter("nanomiles_dropped_for_good_groups", "Groups the engine refused "
                                         "for good (never issued again)", ["reason"], registry=r)
+        self.model_turns = Counter("nanomiles_model_turns", "Turns the model wrote (a multi-turn sample has "
+                                   "several)", registry=r)
+        self.environment_tokens = Counter("nanomiles_environment_tokens", "Tokens a multi-turn rollout's "
+                                          "environment wrote between the model's turns (read, not trained)",
+                                          registry=r)
 
     def issued(self) -> None:
         self.groups_sent.labels(HOP_ENGINE).inc()
@@ -108,6 +114,8 @@ class RolloutMetrics(StageMetrics):
         self.count("received", HOP_ENGINE, num_tokens)
         self.count("sent", HOP_REWARD, num_tokens)
         self.rate.add(num_tokens)
+        self.model_turns.inc(sum(is_model for s in group.samples for _, _, is_model in s.turns))
+        self.environment_tokens.inc(sum(len(s.response_tokens) for s in group.samples) - num_tokens)
 
 
 class RewardMetrics(StageMetrics):

@@ -56,7 +56,7 @@ class ProducerState:
     is_paused: bool = True            # paused until the first resume
     num_sent: int = 0
     num_failed: int = 0               # engine failures (each retried)
-    num_generated_tokens: int = 0     # response tokens of every group sent (goodput's denominator)
+    num_generated_tokens: int = 0     # the model's tokens of every group sent (goodput's denominator)
     num_resumed_samples: int = 0      # sample segments resubmitted after an abort-mode pause
     inflight: dict[str, Future] = field(default_factory=dict)
 
@@ -224,7 +224,7 @@ class RolloutProducer:
                 self.ledger.on_dropped({group_id: self.ledger.attempts[group_id]})
                 continue
             self.outbox.append((group, encode_rollout(group)))
-            self.state.num_generated_tokens += group.num_tokens - len(group.prompt_tokens)
+            self.state.num_generated_tokens += sum(s.num_model_tokens for s in group.samples)
 
     def flush_outbox(self) -> None:
         """Hand finished groups to reward without ever blocking the control loop."""
