@@ -252,7 +252,33 @@ def gpu_algorithm_row(variant: str) -> Claim:
              F(ALGORITHMS_GPU, *r, "late_mean", fmt=pct(1)), F(ALGORITHMS_GPU, *r, "gain", fmt=pct(1)))
 
 
+TOOLS, TOOLS_GPU = "tools.json", "gpu/tools_large.json"
+
+
+def tools_gpu_row(variant: str, label: str) -> Claim:
+    """A row of bench/results/gpu/README.md's table of bench/tools.py: held-out every 8 steps, the run's time."""
+    run = ("runs", {"variant": variant})
+    return C(GPU, f"| {label} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} s |",
+             *(F(TOOLS_GPU, *run, "evals", i, "accuracy", fmt=pct(1)) for i in range(6)),
+             F(TOOLS_GPU, *run, "wall_s", fmt=num(0)))
+
+
+def tools_row(variant: str, label: str) -> Claim:
+    """A row of the README's table of bench/tools.py on the CPU: start, late and gain, mean [min, max]."""
+    s = ("summary", variant)
+    return C(README, f"| {label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] |",
+             *(F(TOOLS, *s, key, stat, fmt=pct(1)) for key in ("start", "late_mean", "gain")
+               for stat in ("mean", "min", "max")))
+
+
 CLAIMS = [
+    tools_gpu_row("tool", "with the calculator (`rollout.fn = nano_miles.rollouts.tools:rollout`)"),
+    tools_gpu_row("no_tool", "without it (one turn, no system turn)"),
+    tools_row("tool", "with the calculator"),
+    tools_row("no_tool", "without it"),
+    C(README, "went from {} % to {} % with the calculator in 40 steps of 512 samples, and from {} % to {} % without it",
+      *(F(TOOLS_GPU, "runs", {"variant": v}, "evals", i, "accuracy", fmt=pct(1)) for v in ("tool", "no_tool")
+        for i in (0, -1))),
     *(algorithm_row(v) for v in ALGORITHM_VARIANTS),
     *(gpu_algorithm_row(v) for v in GPU_ALGORITHM_VARIANTS),
     # README.md, "How fast is it?" and bench/results/gpu/README.md: against TRL's GRPOTrainer
