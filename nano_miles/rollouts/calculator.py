@@ -7,6 +7,8 @@ answer is text for the model to read: the value (an integer, or a decimal of at 
 or `error: <why>`. The parser bounds the work an expression can ask for (its length, nesting and the
 size of every number), and it runs in a child process (`nano_miles/run/child.py`) with
 TOOL_TIMEOUT_S per call, so that no call, however malformed, can hang or crash the rollout producer.
+The child is spawned (the producer runs threads by then), so a script of your own that runs the tool
+rollout in-process needs Python's `if __name__ == "__main__":` guard, as any spawning program does.
 
     expression := term (("+" | "-") term)*
     term       := factor (("*" | "/") factor)*
