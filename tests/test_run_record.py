@@ -79,3 +79,12 @@ def test_the_run_writes_its_plots_and_the_report_says_where(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     text, is_ok = report(tmp_path)
     assert is_ok and f"{tmp_path / 'queue_depth.png'}, {tmp_path / 'reward_accuracy.png'}" in text
+
+
+def test_a_line_still_being_written_is_left_for_the_next_read(tmp_path):
+    """A live run's reader (the tests' harness, `top`) may read while the trainer appends a line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew')
+    assert read_jsonl(path) == [{"step": 1}]
+    path.write_text('{"step": 1}\n{"step": 2, "reward": 0.5}\n')
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2, "reward": 0.5}]

@@ -223,7 +223,12 @@ def sample_lines(step: int, scored, advantages, decode, num: int) -> list[dict]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    """The records of a JSON-lines file; a last line without its newline is one still being written (a
+    live run's), and is left for the next read."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line]
 
 
 class RunRecord:
