@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import GPU_ONLY, REPO, report
+from conftest import GPU_ONLY, report
+from test_tools import POLICY, tools_config
 from nano_miles.algo.grpo import assemble_batch, token_scores
 from nano_miles.engine.client import EngineClient, sampling_seed
 from nano_miles.rewards import load_reward
@@ -19,14 +20,12 @@ from nano_miles.rewards.worker import RewardWorker
 from nano_miles.rollouts import Record, RolloutEngine, sample_group
 from nano_miles.rollouts.calculator import calculate
 from nano_miles.rollouts.tools import parse_call, rollout
-from nano_miles.run.config import load_config
 from nano_miles.stages.trainer.evaluate import make_evaluator
 from nano_miles.tasks import load_problems
 from nano_miles.tasks.prompts import encode_prompts, load_tokenizer, stop_token_ids
 
 pytestmark = GPU_ONLY
 
-POLICY = REPO / "nano_miles" / "assets" / "policy_tools"
 MAX_PARITY_BF16 = 0.01  # mean |log p_engine - log p_trainer| over the model's tokens, both in bf16 (as test_gpu.py)
 
 
@@ -37,12 +36,6 @@ def sglang_url(tmp_path_factory):
     proc, url = start_sglang(POLICY, tmp_path_factory.mktemp("sglang") / "engine.log")
     yield url
     stop_sglang(proc)
-
-
-def tools_config(*overrides: str):
-    return load_config(REPO / "configs" / "tools.toml", [
-        f"--task.train_file={REPO}/examples/word_problems/train.jsonl",
-        f"--task.test_file={REPO}/examples/word_problems/test.jsonl", f"--model.path={POLICY}", *overrides])
 
 
 def test_tool_conversations_on_sglang_train_the_ids_sglang_saw(sglang_url):

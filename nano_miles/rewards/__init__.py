@@ -59,6 +59,15 @@ def sample_turns(sample, decode) -> list[dict]:
             for a, b, is_model in sample.turns]
 
 
+def scored_facts(cfg, sample, decode, problem, *, takes_record: bool) -> dict:
+    """`sample_facts` of one sample to score; its record's prompt and fields and its decoded turns only
+    for a function that reads them (`takes_record`), so no other one pays for decoding every turn."""
+    if not takes_record or problem is None:
+        return sample_facts(cfg, len(sample.response_tokens), sample.finish_reason)
+    return sample_facts(cfg, len(sample.response_tokens), sample.finish_reason, prompt=problem.prompt,
+                        turns=sample_turns(sample, decode), fields=problem.fields)
+
+
 def response_text(sample, decode) -> str:
     """What a reward function reads as the response: the text of the model's last turn (of a
     single-turn sample, the whole response), special tokens dropped by `decode`."""
@@ -104,7 +113,8 @@ def with_facts(fn, key: str):
     returns its parts (`fn` itself if it is one already: what `load_reward` returns)."""
     if getattr(fn, "takes_facts", False):
         return fn
-    if takes_record(fn):
+    is_record_form = takes_record(fn)
+    if is_record_form:
         params = list(inspect.signature(fn).parameters.values())[3:]
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         names = {p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL}
@@ -123,7 +133,7 @@ def with_facts(fn, key: str):
             if facts is None:
                 raise TypeError(f"{key} needs {', '.join(keywords)}, which only a scored sample has")
             return as_parts(fn(response, label, **{n: facts[n] for n in keywords}))
-    call.takes_facts = True
+    call.takes_facts, call.takes_record = True, is_record_form
     return call
 
 
@@ -147,6 +157,7 @@ def weighted(named_fns: list[tuple[str, RewardFn]], weights: list[float]) -> Rew
                     out.setdefault(key, float(value))
         return out
     combined.takes_facts = True
+    combined.takes_record = any(fn.takes_record for _, fn in named_fns)
     return combined
 
 

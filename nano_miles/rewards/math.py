@@ -119,11 +119,12 @@ def is_equal(answer: str, expected: str) -> bool:
 
     def parsed(text):
         return parse(f"${text}$", parsing_timeout=2) or parse(text, parsing_timeout=2)
+    if a is not None or b is not None:  # one side a plain number, the other written otherwise
+        value = exact_value(parsed(expected if b is None else answer))
+        if value is not True:  # a number: equal exactly, or not at all (math-verify would round both
+            # to 6 places: 0.3333333 is not 1/3, 1.41421356 is not sqrt(2))
+            return value == (a if a is not None else b)
     gold, pred = parsed(expected), parsed(answer)
-    value = exact_value(gold if b is None else pred) if a is not None or b is not None else True
-    if value is not True:  # a plain number against a number written otherwise: equal exactly, or not at
-        # all (math-verify would round both to 6 places: 0.3333333 is not 1/3, 1.41421356 is not sqrt(2))
-        return value == (a if a is not None else b)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=2))
 
 

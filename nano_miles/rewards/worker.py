@@ -47,11 +47,13 @@ class RewardWorker:
 
     def __init__(self, reward_fn, timeout_s: float, num_workers: int = 1):
         # as a function of (response, label, facts): what `load_reward` returns, or any (response, label) one
-        fn = _as_floats(with_facts(reward_fn, "the reward function"))
-        self.children = [ChildFunction(fn, timeout_s, name="reward worker") for _ in range(num_workers)]
+        fn = with_facts(reward_fn, "the reward function")
+        self.takes_record = fn.takes_record  # whether it reads the prompt, the turns and the record's fields
+        self.children = [ChildFunction(_as_floats(fn), timeout_s, name="reward worker") for _ in range(num_workers)]
         self.free: queue.SimpleQueue[ChildFunction] = queue.SimpleQueue()
         for child in self.children:
             self.free.put(child)
+        self.threads = ThreadPoolExecutor(num_workers, thread_name_prefix="reward") if num_workers > 1 else None
 
     @property
     def num_workers(self) -> int:
@@ -68,6 +70,8 @@ class RewardWorker:
     def stop(self) -> None:
         for child in self.children:
             child.stop()
+        if self.threads is not None:
+            self.threads.shutdown(wait=False)
 
     def __call__(self, response: str, label: str, facts: dict | None = None) -> dict[str, float]:
         """The reward and its parts, all finite floats; RewardFailure naming the reason otherwise."""
@@ -128,7 +132,6 @@ def score_all(worker: RewardWorker, items: list[tuple[str, str, dict | None]], o
         response, label, facts = items[index]
         return score(worker, response, label, None if on_failure is None else
                      lambda failure: on_failure(index, failure), facts)
-    if worker.num_workers == 1 or len(items) <= 1:
+    if worker.threads is None or len(items) <= 1:
         return [one(i) for i in range(len(items))]
-    with ThreadPoolExecutor(min(worker.num_workers, len(items)), thread_name_prefix="reward") as pool:
-        return list(pool.map(one, range(len(items))))
+    return list(worker.threads.map(one, range(len(items))))

@@ -61,8 +61,8 @@ class RolloutEngine:
         trajectory's, `self.max_new_tokens`); `samples[j]`: which of the group's samples prompt j
         continues (default j), which seeds its draws."""
         samples = list(range(len(prompts))) if samples is None else list(samples)
-        budgets = [self.max_new_tokens if max_new_tokens is None else max_new_tokens] * len(prompts) \
-            if not isinstance(max_new_tokens, list) else list(max_new_tokens)
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        budgets = list(budget) if isinstance(budget, list) else [budget] * len(prompts)
         if not (len(samples) == len(budgets) == len(prompts)) or not prompts:
             raise ValueError(f"generate: {len(prompts)} prompts, {len(samples)} sample indices, {len(budgets)} budgets")
         if min(budgets) < 1 or not all(0 <= i < self.group_size for i in samples):

@@ -26,7 +26,7 @@ import zmq
 from nano_miles.observe.metrics import RewardMetrics
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
-from nano_miles.rewards import describe, response_text, sample_facts, sample_turns
+from nano_miles.rewards import describe, response_text, scored_facts
 from nano_miles.rewards.worker import REASONS, FailureLimit, RewardFailure, RewardWorker, score_all
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, WireError, decode_rollout, encode_scored
 from nano_miles.wire.sockets import make_socket
@@ -70,9 +70,7 @@ class RewardStage:
     def facts(self, group: RolloutGroup, sample) -> dict:
         index = group.metadata.get("index")
         problem = self.problems[index] if isinstance(index, int) and 0 <= index < len(self.problems) else None
-        return sample_facts(self.cfg, len(sample.response_tokens), sample.finish_reason,
-                            prompt=None if problem is None else problem.prompt,
-                            turns=sample_turns(sample, self.decode), fields=None if problem is None else problem.fields)
+        return scored_facts(self.cfg, sample, self.decode, problem, takes_record=self.worker.takes_record)
 
     def on_failure(self, group_id: str, index: int, failure: RewardFailure) -> None:
         self.failures[failure.reason] += 1

@@ -18,12 +18,11 @@ arithmetic task's "first_step" is the share of answers that tag the first step's
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from concurrent.futures import ThreadPoolExecutor
-
 from nano_miles.engine.client import sampling_seed
-from nano_miles.rewards import describe, response_text, sample_facts, sample_turns
+from nano_miles.rewards import describe, response_text, scored_facts
 from nano_miles.rewards.worker import FailureLimit, score_all
 from nano_miles.rollouts import RolloutEngine, load_rollout, make_records, sample_group
 from nano_miles.run.config import Config
@@ -89,9 +88,9 @@ def make_evaluator(cfg: Config, problems, tokenizer, worker, stop_ids: list[int]
     def scores(samples, of_problem: list[Problem]) -> list[dict[str, float]]:
         """The reward and parts of each sample, `of_problem[i]` the problem of sample i."""
         failures = []
-        parts = score_all(worker, [(response_text(s, decode), p.answer, sample_facts(
-            cfg, len(s.response_tokens), s.finish_reason, prompt=p.prompt, turns=sample_turns(s, decode),
-            fields=p.fields)) for s, p in zip(samples, of_problem)], lambda _, failure: failures.append(failure))
+        parts = score_all(worker, [(response_text(s, decode), p.answer,
+                                    scored_facts(cfg, s, decode, p, takes_record=worker.takes_record))
+                                   for s, p in zip(samples, of_problem)], lambda _, failure: failures.append(failure))
         if failures:
             log.warning("the reward function failed on %d of %d held-out samples (scored 0); the last: %s",
                         len(failures), len(parts), failures[-1])
