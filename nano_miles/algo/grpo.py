@@ -12,11 +12,15 @@ tokens its environment wrote between the model's turns (the sample's mask): thos
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.utils.checkpoint
+
+from nano_miles.algo.packing import Packing, is_packed
+
 
 @dataclass
 class TokenBatch:
@@ -28,13 +32,14 @@ class TokenBatch:
     loss_mask: torch.Tensor       # (B, T-1) bool, True exactly on the positions of the response's model tokens
     advantages: torch.Tensor      # (B, T-1) float32, the sample's advantage on loss_mask, else 0
     old_logprobs: torch.Tensor    # (B, T-1) float32, behaviour (engine) logprobs on loss_mask, else 0
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+    packing: Packing              # the real input tokens laid end to end (a packed forward pass)
+    num_tokens: int               # loss_mask's True positions: the tokens that train
+    num_samples: int              # rows with at least one of them
+    # (the two counts are taken on the host, at assembly: reading them never waits for the device)
 
     def to(self, device) -> "TokenBatch":
-        return TokenBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in self.__dataclass_fields__
+                                            if hasattr(getattr(self, f), "to")})
 
 
 def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: list,
@@ -71,6 +76,9 @@ def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: l
         loss_mask=torch.from_numpy(loss_mask),
         advantages=torch.from_numpy(adv),
         old_logprobs=torch.from_numpy(old),
+        packing=Packing.of(attention.sum(axis=1), width),
+        num_tokens=int(loss_mask.sum()),
+        num_samples=int(loss_mask.any(axis=1).sum()),
     )
 
 
@@ -125,7 +133,8 @@ def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: floa
 
 def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float = 1.0, positions: torch.Tensor | None = None,
-                 with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool = False, entropy_grad: bool = False,
+                 packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t) or None without `with_entropy`)
     at every position, in fp32, as the engine computes them; 0 off `positions` (a (B, T-1) bool mask;
     None = everywhere). With `entropy_grad` the entropy carries its gradient (else it is a diagnostic).
@@ -137,11 +146,20 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
     taken at `positions` only, and the output head and log-softmax run over chunks of them
     (LOGIT_CHUNK_ELEMENTS); with gradients on, each chunk is recomputed in the backward pass instead
     of being kept, so one chunk's logits are alive at a time. Entropy costs no extra memory.
+
+    With `packing` (the batch's) and a model switched to packed attention (`algo/packing.py`), the
+    forward pass runs on the real tokens only, laid end to end, and its hidden states are put back in
+    the padded layout.
     """
     # Through the model's own forward (so FSDP's and other wrappers' hooks run), with the output head
     # on the last position only: the head runs here, chunk by chunk, on the final hidden states.
-    hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
-                   logits_to_keep=1).hidden_states[-1]
+    if packing is not None and is_packed(model):
+        hidden = model(input_ids=packing.pack(input_ids), use_cache=False, output_hidden_states=True,
+                       logits_to_keep=1, **packing.model_kwargs()).hidden_states[-1]
+        hidden = packing.unpack(hidden, tuple(input_ids.shape))
+    else:
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                       output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
     if positions is None:
         positions = torch.ones_like(targets, dtype=torch.bool)
     rows, wanted = hidden[positions], targets[positions]

@@ -64,11 +64,43 @@ class StepTotals:
     num_samples: int   # samples with at least one such token
 
 
-@dataclass
+# what `LossOutput.means` reads from the measured values, in the order `policy_loss` stacks them
+_MEASURED = ("clip_fraction", "clip_low_fraction", "clip_high_fraction", "dual_clip_fraction", "ratio_mean",
+             "ratio_max", "parity", "entropy", "kl")
+
+
 class LossOutput:
-    loss: torch.Tensor          # scalar to backpropagate
-    num_tokens: int             # response tokens of the batch
-    means: LossDiagnostics      # what the loss measured, token means over the batch (ratio_max: the max)
+    """A micro-batch's loss, and what it measured. The measurements stay on the loss's device, stacked,
+    until `means` or `num_tokens` is first read: reading them waits for the device, so the learner reads
+    them once per optimizer step, never between micro-batches."""
+
+    def __init__(self, loss: torch.Tensor, measured: torch.Tensor, num_tokens: torch.Tensor,
+                 has_entropy: bool, has_kl: bool):
+        self.loss = loss                    # scalar to backpropagate
+        self._measured = torch.cat([measured, num_tokens.reshape(1).to(measured.dtype)])
+        self._has = {"entropy": has_entropy, "kl": has_kl}
+        self._read: tuple[LossDiagnostics, int] | None = None
+
+    def _host(self) -> tuple[LossDiagnostics, int]:
+        if self._read is None:
+            *values, num_tokens = self._measured.tolist()
+            means = dict(zip(_MEASURED, values))
+            for name, has in self._has.items():
+                means[name] = means[name] if has else None
+            if num_tokens == 0:  # no response token: no ratio to take the max of
+                means["ratio_max"] = None
+            self._read = LossDiagnostics(**means), int(num_tokens)
+        return self._read
+
+    @property
+    def means(self) -> LossDiagnostics:
+        """What the loss measured, token means over the batch (ratio_max: the max)."""
+        return self._host()[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """The batch's response tokens."""
+        return self._host()[1]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -180,7 +212,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     """
     mask = mask.bool()
     how = AGGREGATION[cfg.name]
-    if totals is None:
+    if totals is None:  # (reads the mask's counts: a wait for the device; the learner passes its totals)
         totals = StepTotals(max(1, int(mask.sum())), max(1, int(mask.any(dim=1).sum())))
     zeros = torch.zeros_like(old_logp)
     old = torch.where(mask, old_logp, zeros)
@@ -209,20 +241,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         k = kl_terms(logp, ref_logp, mask, cfg.kl_estimator)
         if cfg.kl_coef > 0:
             loss = loss + aggregate(k, mask, how, totals, cfg.max_new_tokens, cfg.kl_coef)
-        kl = float(masked_mean(k.detach(), mask))
+        kl = masked_mean(k.detach(), mask)
     if entropy is not None and cfg.entropy_coef > 0:
         loss = loss - aggregate(entropy, mask, how, totals, cfg.max_new_tokens, cfg.entropy_coef)
     with torch.no_grad():
         reference = old if engine_logp is None else torch.where(mask, engine_logp, zeros)
         gap = torch.nan_to_num((torch.where(mask, logp, reference) - reference).abs(), nan=0.0).clamp(max=1e6)
         seen = ratio.detach()
-        means = LossDiagnostics(
-            clip_fraction=float(masked_mean((is_low | is_high).float(), mask)),
-            clip_low_fraction=float(masked_mean(is_low.float(), mask)),
-            clip_high_fraction=float(masked_mean(is_high.float(), mask)),
-            dual_clip_fraction=float(masked_mean(is_dual.float(), mask)),
-            ratio_mean=float(masked_mean(seen, mask)),
-            ratio_max=float(torch.where(mask, seen, zeros).max()) if mask.any() else None,
-            parity=float(masked_mean(gap, mask)),
-            entropy=None if entropy is None else float(masked_mean(entropy.detach(), mask)), kl=kl)
-    return LossOutput(loss=loss, num_tokens=int(mask.sum()), means=means)
+        none = torch.zeros((), dtype=zeros.dtype, device=zeros.device)
+        measured = torch.stack([
+            masked_mean((is_low | is_high).float(), mask), masked_mean(is_low.float(), mask),
+            masked_mean(is_high.float(), mask), masked_mean(is_dual.float(), mask), masked_mean(seen, mask),
+            torch.where(mask, seen, zeros).max(), masked_mean(gap, mask),
+            none if entropy is None else masked_mean(entropy.detach(), mask), none if kl is None else kl])
+    return LossOutput(loss, measured, mask.sum(), has_entropy=entropy is not None, has_kl=kl is not None)

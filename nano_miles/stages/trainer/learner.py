@@ -42,6 +42,7 @@ from nano_miles.algo import advantages as estimators
 from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics
 from nano_miles.algo.grpo import TokenBatch, assemble_batch, micro_batches, token_scores
 from nano_miles.algo.loss import LossConfig, StepTotals, kl_terms, policy_loss, truncated_is_weights, unusable_logprobs
+from nano_miles.stages.trainer import packed_attention
 
 TRUNCATED = "truncated"  # why a sample trains no token: cut at max_new_tokens, with trainer.mask_truncated
 
@@ -104,7 +105,10 @@ class Learner:
         t = self.cfg = trainer_cfg
         self.model, self.pad_id, self.temperature = model, pad_id, temperature
         self.device = next(model.parameters()).device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        on_gpu = self.device.type == "cuda"
+        # fused: one kernel for the whole update on a GPU; the CPU keeps the default (its numbers unchanged)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                           **({"fused": True} if on_gpu else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.lr_warmup_steps, t.lr_schedule, t.num_steps,
                                                    t.lr_min / t.lr if t.lr > 0 else 0.0))
@@ -117,6 +121,9 @@ class Learner:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         elif t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # a micro-batch's samples end to end, no padding (variable-length FlashAttention); the CPU keeps
+        # the padded batch, whose numbers the tests pin
+        self.is_packed = on_gpu and packed_attention.enable(model)
         # the starting policy, before any checkpoint is loaded into `model`: the KL anchor of the run
         self.reference = None
         if t.kl_coef > 0:
@@ -177,7 +184,7 @@ class Learner:
             num_micro_batches=len(parts), num_optimizer_steps=len(losses) - num_skipped,
             num_skipped_steps=num_skipped, dropped_samples=dropped, kl_old=kl_old,
             peak_memory_mb=peak_memory_mb(self.device),
-            train_tokens_per_s=self.cfg.num_iterations * sum(int(p.batch.attention_mask.sum()) for p in parts) / elapsed)
+            train_tokens_per_s=self.cfg.num_iterations * sum(p.batch.packing.num_tokens for p in parts) / elapsed)
         weights = [p.is_weights[p.batch.loss_mask] for p in parts if p.is_weights is not None]
         if weights:
             w = torch.cat(weights)
@@ -228,29 +235,34 @@ class Learner:
     def update(self, share: list[Part], measured: list, first_pass: list | None) -> tuple[float, float]:
         """One optimizer step on a share of the samples: (its loss, its gradient norm before clipping;
         not finite: the step was skipped)."""
-        totals = StepTotals(num_tokens=sum(p.batch.num_tokens for p in share), num_samples=sum(
-            int(p.batch.loss_mask.any(dim=1).sum()) for p in share))
+        totals = StepTotals(num_tokens=sum(p.batch.num_tokens for p in share),
+                            num_samples=sum(p.batch.num_samples for p in share))
         self.optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
-        for p in share:
+        outputs = []
+        for p in share:  # nothing here waits for the device: its measurements are read after the step
             b = p.batch
             with self.autocast():
                 logp, entropy = token_scores(self.model, b.input_ids, b.targets, b.attention_mask, self.temperature,
                                              positions=b.loss_mask, with_entropy=True,
-                                             entropy_grad=self.cfg.entropy_coef > 0)
+                                             entropy_grad=self.cfg.entropy_coef > 0, packing=b.packing)
                 out = policy_loss(logp, p.old_logp, b.advantages, b.loss_mask, self.loss_cfg, totals,
                                   engine_logp=b.old_logprobs, is_weights=p.is_weights, ref_logp=p.ref_logp,
                                   entropy=entropy)
             out.loss.backward()  # divided by the share's totals: the micro-batches' gradients add up
-            loss += float(out.loss.detach())
-            measured.append((out.means, out.num_tokens))
-            if first_pass is not None:
-                first_pass.append((out.means, out.num_tokens))
+            outputs.append(out)
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
         if math.isfinite(norm):
             self.optimizer.step()
         else:  # a NaN or inf gradient never reaches the weights (nor, so, an engine)
             self.optimizer.zero_grad(set_to_none=True)
+        losses = torch.stack([out.loss.detach() for out in outputs]).tolist()
+        for out in outputs:
+            measured.append((out.means, out.num_tokens))
+            if first_pass is not None:
+                first_pass.append((out.means, out.num_tokens))
+        loss = 0.0
+        for value in losses:
+            loss += value
         return loss, norm
 
     def kl_to_old(self, parts: list[Part]) -> float:
@@ -270,4 +282,4 @@ class Learner:
 
     def logprobs(self, model, batch) -> torch.Tensor:
         return token_scores(model, batch.input_ids, batch.targets, batch.attention_mask, self.temperature,
-                            positions=batch.loss_mask)[0]
+                            positions=batch.loss_mask, packing=batch.packing)[0]
