@@ -214,6 +214,18 @@ def test_shipped_configs_pass_their_checks(path):
     assert "--disable-cuda-graph" not in engine_command(cfg)
 
 
+def test_sglang_captures_graphs_for_every_sample_in_flight():
+    def graph_cap(*overrides):
+        argv = engine_command(load_config(overrides=["--engine.kind=sglang", *overrides]))
+        return int(argv[argv.index("--cuda-graph-max-bs") + 1])
+    assert graph_cap("--rollout.max_inflight_groups=32", "--rollout.group_size=8") == 256
+    assert graph_cap("--rollout.max_inflight_groups=3", "--rollout.group_size=5") == 15
+    assert graph_cap("--rollout.max_inflight_groups=128", "--rollout.group_size=16") == 1024  # capture stops there
+    assert graph_cap("--rollout.max_inflight_groups=10", "--rollout.group_size=8", "--engine.replicas=3") == 27
+    argv = engine_command(load_config(overrides=["--engine.kind=sglang", "--engine.extra_args=--cuda-graph-max-bs 8"]))
+    assert argv.count("--cuda-graph-max-bs") == 1 and argv[-1] == "8"  # the user's own wins
+
+
 def test_the_tests_start_sglang_with_cuda_graphs():
     from harness.servers import SGLANG_EXTRA_ARGS
     assert "--disable-cuda-graph" not in SGLANG_EXTRA_ARGS

@@ -49,7 +49,22 @@ def engine_command(cfg: Config, replica: int = 0) -> list[str]:
             # paused requests kept across an update stop SGLang flushing its prefix cache: without
             # one, no new request starts on KV of older weights
             *(["--disable-radix-cache"] if keeps_requests(cfg.run.pause_mode) else []),
+            *(["--cuda-graph-max-bs", str(graph_batch_size(cfg))] if "--cuda-graph-max-bs" not in e.extra_args
+              else []),
             *shlex.split(e.extra_args)]
+
+
+# SGLang decodes a batch of at most --cuda-graph-max-bs requests in a captured CUDA graph, a larger one
+# eagerly, step by step (its default: 256 on an H100/H200). A bigger cap costs capture time at start
+# and graph memory, so it stops here.
+MAX_GRAPH_BATCH = 1024
+
+
+def graph_batch_size(cfg: Config) -> int:
+    """The largest decode batch an engine captures: every sample the producer can have in flight
+    (max_inflight_groups x group_size, shared between the replicas), up to MAX_GRAPH_BATCH."""
+    in_flight = cfg.rollout.max_inflight_groups * cfg.rollout.group_size
+    return max(1, min(MAX_GRAPH_BATCH, -(-in_flight // cfg.engine.replicas)))
 
 
 def engine_env(cfg: Config) -> dict[str, str]:
