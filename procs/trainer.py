@@ -41,12 +41,19 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UserError(f"trainer.device is {cfg.trainer.device!r}, but torch {torch.__version__} sees "
                         f"{torch.cuda.device_count()} CUDA devices here")
+    chosen = None
+    if cfg.trainer.memory_plan and device.type == "cuda":  # micro-batches and checkpointing that fit beside SGLang
+        from nano_miles.stages.trainer import memory_plan
+        chosen = memory_plan.plan_for(cfg, torch.cuda.get_device_properties(device).total_memory)
+        cfg = memory_plan.apply(cfg, chosen)
     tokenizer = load_tokenizer(cfg.model_dir)
     stops = stop_token_ids(cfg.model_dir, tokenizer, chat_template=cfg.task.chat_template)
     worker = RewardWorker(reward_fn, cfg.reward.timeout_s, cfg.reward.num_workers)
     worker.start()  # forked now, before the model, sockets and threads exist
     evaluator = make_evaluator(cfg, test_problems, tokenizer, worker, stops)
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
+    if chosen is not None:
+        logging.getLogger("trainer").info("memory plan: %s", chosen.describe())
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     model.to(cfg.trainer.device)

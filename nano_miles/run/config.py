@@ -223,6 +223,7 @@ class TrainerConfig(Section):
                                                       # (padded) tokens, one optimizer step; 0 = the whole batch
     dtype: str = checked("float32", one_of(*TRAIN_DTYPES))  # bfloat16: autocast, fp32 weights and optimizer
     gradient_checkpointing: bool = checked(False, BOOL)  # recompute activations in the backward pass
+    memory_plan: bool = checked(False, BOOL)          # CUDA: the two above from stages/trainer/memory_plan.py
     endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
     device: str = checked("cpu", DEVICE)
     num_threads: int = checked(1, at_least(1))

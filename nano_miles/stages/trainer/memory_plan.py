@@ -1,0 +1,144 @@
+"""The trainer's memory plan: the micro-batch size and activation checkpointing that fit a GPU beside SGLang.
+
+Run: python -m nano_miles.stages.trainer.memory_plan [--config FILE] [--gpu-gib 140] [--section.key=value ...]
+(a dry run: reads the model's config.json, builds nothing, prints the plan). With `trainer.memory_plan =
+true` a CUDA trainer applies the plan at start and logs it; without it the config's own
+`trainer.micro_batch_tokens` and `trainer.gradient_checkpointing` hold.
+
+The estimate, per GPU byte (bf16 autocast, fp32 master weights):
+  state        16 B a parameter: fp32 weights, gradients and AdamW's two moments (+ 2 B for the bf16
+               reference with a KL penalty)
+  fixed        FIXED_GIB: the output head's chunk of fp32 logits and what surrounds it (grpo.py), the
+               allocator's slack
+  activations  per token of a micro-batch, without checkpointing: every layer keeps ~(38 h + 9 i) bytes
+               (h the hidden size, i the MLP's); with it, each layer keeps its fp32 input (4 h) and one
+               layer at a time is recomputed; both times ACTIVATION_MARGIN
+The coefficients were fitted on one H200 at the Qwen2.5-0.5B shape (bench/results/gpu/README.md, "Real
+model shapes"): 16 k-token micro-batches peaked at 36.0 GiB without checkpointing (the plan says 40.7)
+and 11.8 GiB with it (the plan says 12.1). The trainer's share is the GPU less the engine's static
+fraction (engine.mem_fraction_static, when SGLang runs on this GPU) less ENGINE_RESERVE_GIB for what
+SGLang allocates beyond it (CUDA graphs, prefill activations).
+
+The choice: no checkpointing (a quarter to a third less compute) at the largest micro-batch of
+NO_CHECKPOINT_TOKENS that fits; else checkpointing at the largest of CHECKPOINT_TOKENS; else the model
+does not fit, and the error says by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from nano_miles.run.cli import UserError
+
+GIB = 2**30
+FIXED_GIB = 2.0
+ACTIVATION_MARGIN = 1.1
+ENGINE_RESERVE_GIB = 8.0
+NO_CHECKPOINT_TOKENS = (32768, 16384, 8192)
+CHECKPOINT_TOKENS = (32768, 16384, 8192, 4096, 2048)
+
+
+@dataclass
+class Plan:
+    micro_batch_tokens: int
+    gradient_checkpointing: bool
+    peak_gib: float        # the estimate of the trainer's peak with this choice
+    available_gib: float   # the trainer's share of the GPU
+    state_gib: float       # weights, gradients, optimizer state (and the reference)
+
+    def describe(self) -> str:
+        return (f"micro_batch_tokens={self.micro_batch_tokens}, gradient_checkpointing="
+                f"{str(self.gradient_checkpointing).lower()}: about {self.peak_gib:.1f} GiB of the trainer's "
+                f"{self.available_gib:.1f} GiB ({self.state_gib:.1f} GiB of it weights, gradients and AdamW state)")
+
+
+@dataclass
+class Shape:
+    num_parameters: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, model_dir: Path) -> "Shape":
+        """The shape of the HF model in `model_dir`, from its config.json alone (built on the meta device)."""
+        config = json.loads((model_dir / "config.json").read_text())
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers") if k not in config]
+        if missing:
+            raise UserError(f"cannot plan memory for {model_dir}: its config.json has no {', '.join(missing)}; "
+                            "set trainer.memory_plan = false and choose trainer.micro_batch_tokens and "
+                            "trainer.gradient_checkpointing yourself")
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+        return cls(sum(p.numel() for p in model.parameters()), config["hidden_size"], config["intermediate_size"],
+                   config["num_hidden_layers"])
+
+    def activation_bytes(self, tokens: int, checkpointing: bool) -> float:
+        layer = 38 * self.hidden_size + 9 * self.intermediate_size  # one layer's, per token
+        kept = 4 * self.hidden_size * self.num_layers + layer if checkpointing else layer * self.num_layers
+        return ACTIVATION_MARGIN * kept * tokens
+
+
+def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference: bool = False) -> Plan:
+    """The micro-batch size and checkpointing for a model of `shape` on a GPU of `gpu_bytes` of which an
+    engine holds `engine_fraction` (0: none); UserError if nothing fits."""
+    available = gpu_bytes * (1 - engine_fraction) - (ENGINE_RESERVE_GIB * GIB if engine_fraction else 0)
+    state = shape.num_parameters * (16 + (2 if with_reference else 0))
+    base = state + FIXED_GIB * GIB
+    for checkpointing, budgets in ((False, NO_CHECKPOINT_TOKENS), (True, CHECKPOINT_TOKENS)):
+        for tokens in budgets:
+            peak = base + shape.activation_bytes(tokens, checkpointing)
+            if peak <= available:
+                return Plan(tokens, checkpointing, peak / GIB, available / GIB, state / GIB)
+    least = base + shape.activation_bytes(CHECKPOINT_TOKENS[-1], True)
+    raise UserError(f"full fine-tuning of {shape.num_parameters / 1e9:.2f} B parameters needs about {least / GIB:.0f} GiB "
+                    f"on the trainer's GPU ({state / GIB:.0f} GiB of weights, gradients and AdamW state alone); "
+                    f"{available / GIB:.0f} GiB is left beside the engine: lower engine.mem_fraction_static, "
+                    "put the engine on another GPU, or train a smaller model")
+
+
+def engine_fraction(cfg) -> float:
+    """The share of the trainer's GPU that an engine holds: SGLang started by this run, on one GPU."""
+    return cfg.engine.mem_fraction_static if cfg.engine.kind == "sglang" and not cfg.engine.urls else 0.0
+
+
+def plan_for(cfg, gpu_bytes: int) -> Plan:
+    return plan(Shape.of(cfg.model_dir), gpu_bytes, engine_fraction(cfg), with_reference=cfg.trainer.kl_coef > 0)
+
+
+def apply(cfg, chosen: Plan):
+    """`cfg` with the plan's micro-batch size and checkpointing in the trainer section."""
+    trainer = dataclasses.replace(cfg.trainer, micro_batch_tokens=chosen.micro_batch_tokens,
+                                  gradient_checkpointing=chosen.gradient_checkpointing)
+    return dataclasses.replace(cfg, trainer=trainer)
+
+
+def main(argv: list[str]) -> int:
+    from nano_miles.run.cli import ArgumentParser
+    from nano_miles.run.config import parse_config
+    parser = ArgumentParser(prog="python -m nano_miles.stages.trainer.memory_plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="the GPU's memory in GiB (default: the first CUDA device's; an H200 has 140)")
+    cfg, args = parse_config(argv, parser)
+    if args.gpu_gib is None:
+        import torch
+        if not torch.cuda.is_available():
+            raise UserError("no CUDA device here: give the GPU's memory with --gpu-gib")
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    else:
+        gpu_bytes = int(args.gpu_gib * GIB)
+    shape = Shape.of(cfg.model_dir)
+    print(f"{cfg.model_dir}: {shape.num_parameters / 1e9:.2f} B parameters; GPU {gpu_bytes / GIB:.0f} GiB, "
+          f"engine's static share {engine_fraction(cfg):.2f}")
+    print(plan_for(cfg, gpu_bytes).describe())
+    return 0
+
+
+if __name__ == "__main__":
+    from nano_miles.run.cli import run
+    run(main, "memory_plan")
