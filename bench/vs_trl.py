@@ -1,7 +1,8 @@
 """nano-miles (sync, async S=2) against Hugging Face TRL's GRPOTrainer: same GPU, policy, data and settings.
 
-Run: python bench/vs_trl.py [--policies medium,large] [--steps 50] [--out DIR] [--name vs_trl]
-                            [--trl-pythonpath PATH] [--trl-generation generate|paged] [--section.key=value ...]
+Run: python bench/vs_trl.py [--policies medium,large | --shapes 0.5b,1.5b | --model DIR] [--steps 50]
+                            [--out DIR] [--name vs_trl] [--trl-pythonpath PATH] [--trl-generation generate|paged]
+                            [--section.key=value ...]
      python bench/vs_trl.py --from A.json B.json [--out DIR] [--name NAME]   (earlier results, reported together)
 On one GPU, after building the policies (python -m nano_miles.policy build --shape medium|large
 --device cuda --out runs/policy-medium|large) and with trl importable (pip install trl; a host
@@ -9,6 +10,10 @@ without network: bash bench/trl_bundle.sh, then --trl-pythonpath):
      python bench/vs_trl.py --engine.mem_fraction_static=0.05 --out bench/results/gpu
 On the CPU (the small policy, the local engine; a check that everything runs, not a speed figure):
      python bench/vs_trl.py --policies small --steps 4
+At real model sizes: --shapes runs Qwen2.5's shapes with random weights (harness/model_shapes.py; built
+into --models on the first run), --model any local model directory; both on the large policy's config
+with MODEL_OVERRIDES (64 samples x 256 new tokens a step, bf16 autocast, checkpointing on both sides).
+A random model learns nothing: its rows have speed targets only (SHAPE_TARGETS), no accuracy target.
 
 Per policy, three runs of the same number of optimizer steps from the same policy directory:
 nano-miles sync and async with max_staleness 2 (each a full pipeline under the real supervisord,
@@ -38,8 +43,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,12 +62,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = {"small": ("configs/default.toml", 3.0), "medium": ("configs/gpu.toml", 8.0),
             "large": ("configs/gpu_large.toml", 50.0)}
 LARGE_ASYNC_TARGET = 3.0   # async S=2 samples/s over TRL's on the large policy
+MODEL_CONFIG = "configs/gpu_large.toml"  # the settings a --model or --shapes run starts from, with these:
+MODEL_OVERRIDES = ["--trainer.dtype=bfloat16", "--trainer.gradient_checkpointing=true", "--trainer.batch_groups=4",
+                   "--rollout.max_new_tokens=256"]
+SHAPE_TARGETS = (5.0, 8.0)  # sync, async S=2 samples/s over TRL's at Qwen2.5's shapes
 ACCURACY_NOISE = 0.03      # final accuracy may trail TRL's by this much (200 problems: ~3 points)
+
+
+def title(key: str) -> str:
+    """How a section of the results is named: "large policy", "Qwen2.5-1.5b shape", a model directory's name."""
+    return f"{key} policy" if key in POLICIES else key
 
 
 def print_settings(policy: str, nano: dict, trl: dict) -> list[str]:
     """Both sides' settings, row by row; the MUST_MATCH keys that differ."""
-    print(f"\nsettings, {policy} policy\n{'setting':<32} {'nano-miles':<48} {'TRL GRPOTrainer':<48}")
+    print(f"\nsettings, {title(policy)}\n{'setting':<32} {'nano-miles':<48} {'TRL GRPOTrainer':<48}")
     for key in nano:
         mark = "" if key not in MUST_MATCH else ("  same" if nano[key] == trl.get(key) else "  DIFFERS")
         print(f"{key:<32} {str(nano[key]):<48} {str(trl.get(key)):<48}{mark}")
@@ -159,8 +173,9 @@ def fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
-def print_table(policy: str, rows: list[dict], target: float) -> None:
-    print(f"\n{policy} policy, target {100 * target:.1f} % held-out\n{'run':<22} {'samples/s':>9} {'tokens/s':>9} "
+def print_table(policy: str, rows: list[dict], target: float | None) -> None:
+    aim = "speed only, no accuracy target" if target is None else f"target {100 * target:.1f} % held-out"
+    print(f"\n{title(policy)}, {aim}\n{'run':<22} {'samples/s':>9} {'tokens/s':>9} "
           f"{'s/step':>7} {'batch s':>7} {'train s':>7} {'t(target)':>9} {'held-out start -> end':>22} "
           f"{'GPU MiB':>8} {'trainer MiB':>11} {'update ms':>9}")
     for r in rows:
@@ -171,10 +186,41 @@ def print_table(policy: str, rows: list[dict], target: float) -> None:
               f"{fmt(r['update_ms'], '.1f', 'none'):>9}")
 
 
-def policy_verdicts(policy: str, rows: dict) -> list[Verdict]:
+@dataclass
+class Entry:
+    """What one section of the comparison runs: a policy of the project's, a real model shape or a model directory."""
+
+    name: str                       # how its rows are named
+    config: str                     # the config file, relative to the repo
+    overrides: list[str]            # on top of it, before the bench's and the user's
+    target_points: float | None     # held-out points above the runs' mean start that count as the target
+    speed_targets: tuple[float, float]  # sync and async S=2 samples/s over TRL's
+
+
+def entries(args) -> list[Entry]:
+    if args.model is not None:
+        return [Entry(args.model.name, MODEL_CONFIG, [f"--model.path={args.model}"] + MODEL_OVERRIDES, None, (1.0, 1.0))]
+    if args.shapes:
+        from harness.model_shapes import SHAPES
+        if unknown := [s for s in args.shapes.split(",") if s not in SHAPES]:
+            raise UserError(f"--shapes takes names from {', '.join(SHAPES)}, not {', '.join(unknown)}")
+        return [Entry(f"Qwen2.5-{s} shape", MODEL_CONFIG, [f"--model.path={args.models / s}"] + MODEL_OVERRIDES,
+                      None, SHAPE_TARGETS) for s in args.shapes.split(",")]
+    if unknown := [p for p in args.policies.split(",") if p not in POLICIES]:
+        raise UserError(f"--policies takes names from {', '.join(POLICIES)}, not {', '.join(unknown)}")
+    return [Entry(p, POLICIES[p][0], [], POLICIES[p][1], (1.0, LARGE_ASYNC_TARGET if p == "large" else 1.0))
+            for p in args.policies.split(",")]
+
+
+def policy_verdicts(policy: str, res: dict) -> list[Verdict]:
+    rows = res["runs"]
     trl, sync, asyn = rows["trl"], rows["sync"], rows["async"]
+    # results written before the speed targets were kept: the policies' own
+    targets = res.get("speed_targets") or (1.0, LARGE_ASYNC_TARGET if policy == "large" else 1.0)
     checks = [Verdict(f"{policy}: {r['name']} samples/s over TRL's", r["samples_per_s"] / trl["samples_per_s"], ">=",
-                      LARGE_ASYNC_TARGET if policy == "large" and r is asyn else 1.0, "x", 2) for r in (sync, asyn)]
+                      target, "x", 2) for r, target in zip((sync, asyn), targets)]
+    if res["target_accuracy"] is None:  # random weights: speed is all there is to compare
+        return checks
     best = min((r["seconds_to_target"] for r in (sync, asyn) if r["seconds_to_target"] is not None), default=None)
     ratio = None if best is None else 0.0 if trl["seconds_to_target"] is None else best / trl["seconds_to_target"]
     checks.append(Verdict(f"{policy}: nano-miles' time to target over TRL's", ratio, "<=", 1.0, "x", 2))
@@ -193,29 +239,33 @@ def plot(results: dict, out: Path) -> None:
     for ax, (policy, res) in zip(axes[0], results.items()):
         for key, row in res["runs"].items():
             ax.plot([e["elapsed_s"] for e in row["evals"]], [100 * e["accuracy"] for e in row["evals"]], marker="o", label=row["name"])
-        ax.axhline(100 * res["target_accuracy"], ls="--", c="gray", label="target")
-        ax.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)", title=f"{policy} policy")
+        if res["target_accuracy"] is not None:
+            ax.axhline(100 * res["target_accuracy"], ls="--", c="gray", label="target")
+        ax.set(xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)", title=title(policy))
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
 
-def measure(policy: str, overrides: list[str], generation: str, env: dict, root: Path,
+def measure(entry: Entry, overrides: list[str], generation: str, env: dict, root: Path,
             on_run: Callable[[dict], None]) -> dict:
-    """The three runs on one policy, the target from their start, both sides' settings; `on_run` is
-    handed the policy's result so far after each run."""
-    config = str(REPO_ROOT / POLICIES[policy][0])
+    """The three runs of one entry, the target from their start, both sides' settings; `on_run` is
+    handed the entry's result so far after each run."""
+    config = str(REPO_ROOT / entry.config)
+    overrides = entry.overrides + overrides
     starts = {"sync": lambda: run_nano("sync", config, overrides, root),
               "async": lambda: run_nano("async S=2", config, overrides + ["--run.mode=async",
                                                                          "--run.max_staleness=2"], root),
               "trl": lambda: run_trl(config, overrides, generation, env, root)}
-    result = {"config": POLICIES[policy][0], "overrides": overrides, "target_points": POLICIES[policy][1],
+    result = {"config": entry.config, "overrides": overrides, "target_points": entry.target_points,
+              "speed_targets": list(entry.speed_targets),
               "nano_settings": nano_settings(load_config(config, overrides)), "runs": {}}
     for key, start in starts.items():
         result["runs"][key] = start()
         on_run(result)
     accuracies = [r["evals"][0]["accuracy"] for r in result["runs"].values()]
-    result["target_accuracy"] = sum(accuracies) / len(accuracies) + POLICIES[policy][1] / 100
+    result["target_accuracy"] = (None if entry.target_points is None
+                                 else sum(accuracies) / len(accuracies) + entry.target_points / 100)
     return result
 
 
@@ -224,12 +274,13 @@ def report(results: dict, out: Path, name: str) -> None:
     `name`.json and `name`.png into `out`."""
     for p, res in results.items():
         for r in res["runs"].values():
-            r["seconds_to_target"] = time_to_reach(r["evals"], res["target_accuracy"])
+            r["seconds_to_target"] = (None if res["target_accuracy"] is None
+                                      else time_to_reach(r["evals"], res["target_accuracy"]))
         differs = print_settings(p, res["nano_settings"], res["runs"]["trl"]["settings"])
         if differs:
             raise SystemExit(f"settings that should match differ: {', '.join(differs)}")
         print_table(p, list(res["runs"].values()), res["target_accuracy"])
-    checks = [v for p in results for v in policy_verdicts(p, results[p]["runs"])]
+    checks = [v for p in results for v in policy_verdicts(p, results[p])]
     print_verdicts(checks)
     for p, res in results.items():
         res["verdicts"] = [v.to_json() for v in checks if v.name.startswith(f"{p}:")]
@@ -241,6 +292,10 @@ def report(results: dict, out: Path, name: str) -> None:
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python bench/vs_trl.py", description=__doc__)
     parser.add_argument("--policies", default="medium,large", help="comma-separated: small, medium, large")
+    parser.add_argument("--shapes", default="", help="instead: Qwen2.5's shapes, comma-separated (0.5b, 1.5b, 3b, 7b)")
+    parser.add_argument("--models", type=Path, default=REPO_ROOT / "runs" / "shapes",
+                        help="where the shapes' model directories are (built there if missing)")
+    parser.add_argument("--model", type=Path, default=None, help="instead: one local model directory")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps of every run")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
     parser.add_argument("--name", default="vs_trl", help="their file name, without suffix")
@@ -264,28 +319,38 @@ def main(argv: list[str]) -> int:
             results.update(earlier["policies"])
         report(results, args.out, args.name)
         return 0
-    policies = args.policies.split(",")
-    if not set(policies) <= set(POLICIES) or args.steps < 1:
-        raise UserError(f"--policies takes names from {', '.join(POLICIES)}, --steps a positive count")
+    if args.steps < 1:
+        raise UserError("--steps takes a positive count")
+    chosen = entries(args)
     overrides = [f"--trainer.num_steps={args.steps}", f"--trainer.eval_every={max(1, args.steps // 6)}",
                  "--trainer.checkpoint_every=0", "--run.seed=0"] + [a for a in argv if is_override(a)]
-    for p in policies:
-        model_dir = load_config(REPO_ROOT / POLICIES[p][0], overrides).model_dir
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"the {p} policy is not at {model_dir}: python -m nano_miles.policy build "
-                            f"--shape {p} --device cuda --out {model_dir}")
+    for e in chosen:
+        model_dir = load_config(REPO_ROOT / e.config, e.overrides + overrides).model_dir
+        if (model_dir / "config.json").is_file():
+            continue
+        if args.model is not None:
+            raise UserError(f"--model {model_dir}: no config.json there")
+        if e.name in POLICIES:
+            raise UserError(f"the {e.name} policy is not at {model_dir}: python -m nano_miles.policy build "
+                            f"--shape {e.name} --device cuda --out {model_dir}")
+        import torch  # a shape: its directory is built here, once
+
+        from harness.model_shapes import build
+        print(f"building {e.name} in {model_dir} ...", flush=True)
+        build(model_dir.name, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
     env = trl_env(args.trl_pythonpath)
     print(f"trl, datasets, transformers in TRL's process: {check_trl(env)}")
     results = {}
 
-    def save(policy: str, so_far: dict) -> None:
-        results[policy] = so_far
+    def save(name: str, so_far: dict) -> None:
+        results[name] = so_far
         write_result(args.out / f"{args.name}.json", {"policies": results}, is_complete=False)
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep_runs or Path(tmp)
-        for p in policies:
-            results[p] = measure(p, overrides, args.trl_generation, env, root / p, lambda so_far, p=p: save(p, so_far))
+        for e in chosen:
+            results[e.name] = measure(e, overrides, args.trl_generation, env, root / e.name.replace(" ", "_"),
+                                      lambda so_far, name=e.name: save(name, so_far))
     report(results, args.out, args.name)
     return 0
 

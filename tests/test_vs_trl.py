@@ -42,3 +42,26 @@ def test_a_bad_flag_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "harness.trl_grpo", "--out", str(tmp_path / "x.json"),
                            "--generation", "vllm"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--generation" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_bench_names_its_sections_by_policy_shape_or_model(monkeypatch):
+    import argparse
+
+    from nano_miles.run.cli import UserError
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import vs_trl
+    args = lambda **kw: argparse.Namespace(**{"policies": "medium,large", "shapes": "", "model": None,  # noqa: E731
+                                              "models": REPO / "runs" / "shapes", **kw})
+    policies = vs_trl.entries(args())
+    assert [(e.name, e.speed_targets, e.target_points) for e in policies] == [("medium", (1.0, 1.0), 8.0),
+                                                                              ("large", (1.0, 3.0), 50.0)]
+    assert vs_trl.title("large") == "large policy"
+    shapes = vs_trl.entries(args(shapes="0.5b,1.5b"))
+    assert [e.name for e in shapes] == ["Qwen2.5-0.5b shape", "Qwen2.5-1.5b shape"]
+    assert all(e.target_points is None and e.speed_targets == vs_trl.SHAPE_TARGETS for e in shapes)
+    assert f"--model.path={REPO / 'runs' / 'shapes' / '1.5b'}" in shapes[1].overrides
+    assert vs_trl.title(shapes[0].name) == "Qwen2.5-0.5b shape"
+    (model,) = vs_trl.entries(args(shapes="0.5b", model=REPO / "runs" / "my-model"))  # --model wins
+    assert model.name == "my-model" and model.overrides[0] == f"--model.path={REPO / 'runs' / 'my-model'}"
+    with pytest.raises(UserError, match="--shapes takes names from 0.5b, 1.5b, 3b, 7b, not 2b"):
+        vs_trl.entries(args(shapes="2b"))
