@@ -7,6 +7,7 @@ Run: pytest tests/test_packing.py
 
 import copy
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -66,14 +67,15 @@ def test_packed_scores_equal_the_padded_batch(policy_dir):
     assert torch.allclose(again, padded, atol=1e-5)
 
 
-def test_a_packed_step_is_the_padded_step(policy_dir):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_packed_step_is_the_padded_step(policy_dir, checkpointing):
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
     twin = packed_twin(model)
     samples = make_samples(12)
     results = {}
     for name, m in (("padded", model), ("packed", twin)):
-        learner = Learner(TrainerConfig(micro_batch_tokens=200, lr=1e-3), m, pad_id=0, temperature=TEMPERATURE,
-                          max_new_tokens=40)
+        learner = Learner(TrainerConfig(micro_batch_tokens=200, lr=1e-3, gradient_checkpointing=checkpointing), m,
+                          pad_id=0, temperature=TEMPERATURE, max_new_tokens=40)
         results[name] = learner.step(samples)[0]
     assert results["packed"].num_micro_batches == results["padded"].num_micro_batches > 1
     assert abs(results["packed"].pg_loss - results["padded"].pg_loss) < 1e-6
