@@ -96,3 +96,17 @@ def test_models_that_attend_otherwise_stay_padded():
     assert not packed_attention.can_pack(torch.nn.Linear(2, 2))
     assert packed_attention.can_pack(Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=50)))
+
+
+def test_scores_by_host_indices_are_the_boolean_masks_bit_for_bit(policy_dir):
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+    samples = make_samples(7)
+    b = assemble_batch([s.prompt for s in samples], [s.response for s in samples], [s.logprobs for s in samples],
+                       [0.0] * 7, pad_id=0)
+    assert torch.equal(b.loss_index, b.loss_mask.flatten().nonzero().squeeze(1))
+    for entropy_grad in (False, True):
+        by_mask = token_scores(model, b.input_ids, b.targets, b.attention_mask, TEMPERATURE, positions=b.loss_mask,
+                               with_entropy=True, entropy_grad=entropy_grad)
+        by_index = token_scores(model, b.input_ids, b.targets, b.attention_mask, TEMPERATURE, positions=b.loss_mask,
+                                with_entropy=True, entropy_grad=entropy_grad, index=b.loss_index)
+        assert torch.equal(by_mask[0], by_index[0]) and torch.equal(by_mask[1], by_index[1])

@@ -33,6 +33,7 @@ class TokenBatch:
     advantages: torch.Tensor      # (B, T-1) float32, the sample's advantage on loss_mask, else 0
     old_logprobs: torch.Tensor    # (B, T-1) float32, behaviour (engine) logprobs on loss_mask, else 0
     packing: Packing              # the real input tokens laid end to end (a packed forward pass)
+    loss_index: torch.Tensor      # (num_tokens,) int64: loss_mask's True positions, flat (row * (T-1) + t)
     num_tokens: int               # loss_mask's True positions: the tokens that train
     num_samples: int              # rows with at least one of them
     # (the two counts are taken on the host, at assembly: reading them never waits for the device)
@@ -77,6 +78,7 @@ def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: l
         advantages=torch.from_numpy(adv),
         old_logprobs=torch.from_numpy(old),
         packing=Packing.of(attention.sum(axis=1), width),
+        loss_index=torch.from_numpy(np.flatnonzero(loss_mask)),
         num_tokens=int(loss_mask.sum()),
         num_samples=int(loss_mask.any(axis=1).sum()),
     )
@@ -134,7 +136,8 @@ def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: floa
 def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float = 1.0, positions: torch.Tensor | None = None,
                  with_entropy: bool = False, entropy_grad: bool = False,
-                 packing: Packing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 packing: Packing | None = None, index: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t) or None without `with_entropy`)
     at every position, in fp32, as the engine computes them; 0 off `positions` (a (B, T-1) bool mask;
     None = everywhere). With `entropy_grad` the entropy carries its gradient (else it is a diagnostic).
@@ -149,7 +152,8 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
 
     With `packing` (the batch's) and a model switched to packed attention (`algo/packing.py`), the
     forward pass runs on the real tokens only, laid end to end, and its hidden states are put back in
-    the padded layout.
+    the padded layout. `index` (the batch's `loss_index` for `positions` = its loss mask) names the
+    positions by flat index, counted on the host: then nothing here waits for the device.
     """
     # Through the model's own forward (so FSDP's and other wrappers' hooks run), with the output head
     # on the last position only: the head runs here, chunk by chunk, on the final hidden states.
@@ -162,7 +166,10 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
                        output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
     if positions is None:
         positions = torch.ones_like(targets, dtype=torch.bool)
-    rows, wanted = hidden[positions], targets[positions]
+    if index is None:
+        rows, wanted = hidden[positions], targets[positions]  # (a boolean index: waits for the device)
+    else:  # the same rows in the same order
+        rows, wanted = hidden.flatten(0, 1).index_select(0, index), targets.flatten().index_select(0, index)
     head = model.get_output_embeddings()
     scale = temperature if temperature >= 1e-6 else 1.0
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -182,7 +189,11 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
 
     def spread(values: list[torch.Tensor]) -> torch.Tensor:  # back to (B, T-1), 0 off `positions`
         out = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
-        return out.masked_scatter(positions, torch.cat(values)) if values else out
+        if not values:
+            return out
+        if index is None:
+            return out.masked_scatter(positions, torch.cat(values))
+        return out.flatten().index_copy(0, index, torch.cat(values)).view(targets.shape)
     return spread(logps), spread(entropies) if with_entropy or entropy_grad else None
 
 

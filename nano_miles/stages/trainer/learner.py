@@ -244,7 +244,8 @@ class Learner:
             with self.autocast():
                 logp, entropy = token_scores(self.model, b.input_ids, b.targets, b.attention_mask, self.temperature,
                                              positions=b.loss_mask, with_entropy=True,
-                                             entropy_grad=self.cfg.entropy_coef > 0, packing=b.packing)
+                                             entropy_grad=self.cfg.entropy_coef > 0, packing=b.packing,
+                                             index=b.loss_index)
                 out = policy_loss(logp, p.old_logp, b.advantages, b.loss_mask, self.loss_cfg, totals,
                                   engine_logp=b.old_logprobs, is_weights=p.is_weights, ref_logp=p.ref_logp,
                                   entropy=entropy)
@@ -282,4 +283,4 @@ class Learner:
 
     def logprobs(self, model, batch) -> torch.Tensor:
         return token_scores(model, batch.input_ids, batch.targets, batch.attention_mask, self.temperature,
-                            positions=batch.loss_mask, packing=batch.packing)[0]
+                            positions=batch.loss_mask, packing=batch.packing, index=batch.loss_index)[0]
