@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.result_file import write_result  # noqa: E402
 from harness.servers import REPO_ROOT  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, UserError, run  # noqa: E402
 from nano_miles.run.config import is_override, load_config  # noqa: E402
-
-CONFIG = "configs/gsm8k_qwen.toml"
-BASE = ["--task.train_file=examples/word_problems/train.jsonl", "--task.test_file=examples/word_problems/test.jsonl"]
+from scale import BASE, CONFIG, step_prompts, timed_generation  # noqa: E402
 
 
 def step_batch(cfg, prompts: list[list[int]]):
@@ -74,14 +73,13 @@ def main(argv: list[str]) -> int:
     from nano_miles.engine.client import EngineClient
     from nano_miles.stages.trainer import memory_plan
     from nano_miles.stages.trainer.learner import Learner
-    from nano_miles.tasks import load_problems
-    from nano_miles.tasks.prompts import encode_prompts, load_tokenizer
+    from nano_miles.tasks.prompts import load_tokenizer
     overrides = BASE + [f"--model.path={args.model}"] + extra
     cfg = load_config(REPO_ROOT / CONFIG, overrides=overrides)
     if cfg.trainer.memory_plan:
         cfg = memory_plan.apply(cfg, memory_plan.plan_for(cfg, torch.cuda.get_device_properties(0).total_memory))
     tokenizer = load_tokenizer(cfg.model_dir)
-    prompts = encode_prompts(tokenizer, load_problems(cfg, "train"), cfg.task)[:cfg.trainer.batch_groups]
+    prompts = step_prompts(cfg)
     requests = [p for p in prompts for _ in range(cfg.rollout.group_size)]
     sampling = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
     with tempfile.TemporaryDirectory(prefix="contention-") as tmp:
@@ -95,10 +93,8 @@ def main(argv: list[str]) -> int:
             batch = step_batch(cfg, prompts)
             time_steps(learner, batch, 1)  # warm-up: kernels, allocator, optimizer state
             alone = time_steps(learner, batch, args.steps)
-            client.generate(requests[:len(requests) // 4], sampling)  # warm-up
-            started = time.perf_counter()
-            tokens = sum(o["meta_info"]["completion_tokens"] for o in client.generate(requests, sampling))
-            generate_alone = tokens / (time.perf_counter() - started)
+            seconds, tokens = timed_generation(client, cfg, prompts)
+            generate_alone = tokens / seconds
             stop, generated, busy = threading.Event(), [0], [0.0]
 
             def keep_generating():

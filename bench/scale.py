@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness.model_shapes import SHAPES, build, num_parameters  # noqa: E402
+from harness.model_shapes import SHAPES, built, num_parameters  # noqa: E402
 from harness.result_file import write_result  # noqa: E402
 from harness.servers import REPO_ROOT  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, UserError, run  # noqa: E402
@@ -44,26 +44,34 @@ MODES = {"sync": ["--run.mode=sync", "--run.max_staleness=0"], "async": ["--run.
 PEAK_BF16_FLOPS = 989e12  # an H100/H200's dense bf16 peak (the figure MFU is quoted against)
 
 
+def step_prompts(cfg) -> list[list[int]]:
+    """One step's prompts as the producer encodes them: the first batch_groups problems of the train file."""
+    from nano_miles.tasks import load_problems
+    from nano_miles.tasks.prompts import encode_prompts, load_tokenizer
+    return encode_prompts(load_tokenizer(cfg.model_dir), load_problems(cfg, "train"), cfg.task)[:cfg.trainer.batch_groups]
+
+
+def timed_generation(client, cfg, prompts: list[list[int]]) -> tuple[float, int]:
+    """(seconds, tokens) of one request of every prompt x group_size samples, after a warm-up of a quarter."""
+    batch = [p for p in prompts for _ in range(cfg.rollout.group_size)]
+    sampling = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
+    client.generate(batch[:max(1, len(batch) // 4)], sampling)
+    started = time.perf_counter()
+    out = client.generate(batch, sampling)
+    return time.perf_counter() - started, sum(o["meta_info"]["completion_tokens"] for o in out)
+
+
 def standalone_generation(cfg, overrides: list[str], log: Path) -> dict:
     """SGLang alone on one step's batch: started as the pipeline starts it, sent the step's prompts
     (batch_groups problems x group_size) in one request, timed after a warm-up batch."""
     from harness.servers import launch, stop_sglang
     from nano_miles.engine.client import EngineClient
-    from nano_miles.tasks import load_problems
-    from nano_miles.tasks.prompts import encode_prompts, load_tokenizer
-    prompts = encode_prompts(load_tokenizer(cfg.model_dir), load_problems(cfg, "train"), cfg.task)
-    batch = [p for p in prompts[:cfg.trainer.batch_groups] for _ in range(cfg.rollout.group_size)]
-    sampling = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
+    prompts = step_prompts(cfg)
     proc, url = launch(cfg.model_dir, log, overrides, timeout_s=900, stop=stop_sglang, is_new_session=True)
     try:
-        client = EngineClient(url)
-        client.generate(batch[:len(batch) // 4], sampling)  # warm-up
-        started = time.perf_counter()
-        out = client.generate(batch, sampling)
-        seconds = time.perf_counter() - started
+        seconds, tokens = timed_generation(EngineClient(url), cfg, prompts)
     finally:
         stop_sglang(proc)
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in out)
     return {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
@@ -130,14 +138,9 @@ def main(argv: list[str]) -> int:
     if args.steps < 2:
         raise UserError("--steps must be at least 2: the first step is not timed")
     os.environ["NANOMILES_CONFIG"] = str(REPO_ROOT / CONFIG)
-    import torch
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {"config": CONFIG, "overrides": BASE + extra, "steps": args.steps, "shapes": []}
     for shape in shapes:
-        model_dir = args.models / shape
-        if not (model_dir / "config.json").exists():
-            print(f"building the {shape} shape in {model_dir} ...", flush=True)
-            build(shape, model_dir, device)
+        model_dir = built(shape, args.models / shape)
         overrides = BASE + [f"--model.path={model_dir}", f"--trainer.num_steps={args.steps}"] + extra
         cfg = load_config(REPO_ROOT / CONFIG, overrides=overrides)
         entry = {"shape": shape, "num_parameters": num_parameters(SHAPES[shape]), "runs": []}

@@ -333,11 +333,8 @@ def main(argv: list[str]) -> int:
         if e.name in POLICIES:
             raise UserError(f"the {e.name} policy is not at {model_dir}: python -m nano_miles.policy build "
                             f"--shape {e.name} --device cuda --out {model_dir}")
-        import torch  # a shape: its directory is built here, once
-
-        from harness.model_shapes import build
-        print(f"building {e.name} in {model_dir} ...", flush=True)
-        build(model_dir.name, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+        from harness.model_shapes import built
+        built(model_dir.name, model_dir)  # a shape: its directory is built here, once
     env = trl_env(args.trl_pythonpath)
     print(f"trl, datasets, transformers in TRL's process: {check_trl(env)}")
     results = {}

@@ -65,6 +65,16 @@ def build(name: str, out: Path, device: str = "cpu", seed: int = 0) -> Path:
     return out
 
 
+def built(name: str, out: Path) -> Path:
+    """`out`, holding a model directory of shape `name`: built there now (on a GPU if there is one) unless
+    it already is."""
+    if not (out / "config.json").exists():
+        import torch
+        print(f"building the {name} shape in {out} ...", flush=True)
+        build(name, out, "cuda" if torch.cuda.is_available() else "cpu")
+    return out
+
+
 def main(argv: list[str]) -> int:
     from nano_miles.run.cli import ArgumentParser
     parser = ArgumentParser(prog="python -m harness.model_shapes", description=__doc__.split("\n\n")[0])

@@ -34,9 +34,12 @@ class TokenBatch:
     old_logprobs: torch.Tensor    # (B, T-1) float32, behaviour (engine) logprobs on loss_mask, else 0
     packing: Packing              # the real input tokens laid end to end (a packed forward pass)
     loss_index: torch.Tensor      # (num_tokens,) int64: loss_mask's True positions, flat (row * (T-1) + t)
-    num_tokens: int               # loss_mask's True positions: the tokens that train
-    num_samples: int              # rows with at least one of them
-    # (the two counts are taken on the host, at assembly: reading them never waits for the device)
+    num_samples: int              # rows with at least one of them, counted on the host at assembly
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens that train (loss_index's length: reading it never waits for the device)."""
+        return self.loss_index.numel()
 
     def to(self, device) -> "TokenBatch":
         return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in self.__dataclass_fields__
@@ -79,7 +82,6 @@ def assemble_batch(prompts: list, responses: list, logprobs: list, advantages: l
         old_logprobs=torch.from_numpy(old),
         packing=Packing.of(attention.sum(axis=1), width),
         loss_index=torch.from_numpy(np.flatnonzero(loss_mask)),
-        num_tokens=int(loss_mask.sum()),
         num_samples=int(loss_mask.any(axis=1).sum()),
     )
 

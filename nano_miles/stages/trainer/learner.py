@@ -123,7 +123,8 @@ class Learner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # a micro-batch's samples end to end, no padding (variable-length FlashAttention); the CPU keeps
         # the padded batch, whose numbers the tests pin
-        self.is_packed = on_gpu and packed_attention.enable(model)
+        if on_gpu:
+            packed_attention.enable(model)
         # the starting policy, before any checkpoint is loaded into `model`: the KL anchor of the run
         self.reference = None
         if t.kl_coef > 0:
@@ -261,9 +262,7 @@ class Learner:
             measured.append((out.means, out.num_tokens))
             if first_pass is not None:
                 first_pass.append((out.means, out.num_tokens))
-        loss = 0.0
-        for value in losses:
-            loss += value
+        loss = sum(losses)
         return loss, norm
 
     def kl_to_old(self, parts: list[Part]) -> float:

@@ -13,14 +13,17 @@ CUDA only: the CPU keeps the padded batch, bit for bit the numbers it always had
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from nano_miles.algo.packing import ATTENTION
 
 
+@functools.cache  # asked by every layer of every forward pass: looked up once
 def _flash_varlen():
     """PyTorch's variable-length FlashAttention and how to ask it for causal attention, or None."""
     try:
@@ -38,7 +41,6 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     to transformers' own scaled-dot-product attention."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if sliding_window is not None or dropout:
