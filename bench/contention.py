@@ -2,7 +2,10 @@
 
 Run (one GPU, SGLang importable):
     python bench/contention.py --model DIR [--steps 3] [--out bench/results/gpu] [--name contention]
-                               [--section.key=value ...]      (e.g. --engine.extra_args="--max-running-requests 64")
+                               [--engine-env NAME=VALUE ...] [--compile] [--section.key=value ...]
+    e.g. --engine.extra_args="--max-running-requests 64"; under CUDA MPS (nvidia-cuda-mps-control -d
+    first) --engine-env CUDA_MPS_CLIENT_PRIORITY=1 or CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50, which reach
+    SGLang only; --compile runs each decoder layer through torch.compile (dynamic shapes).
 
 One SGLang server started as the pipeline starts it (configs/gsm8k_qwen.toml and the overrides), one
 trainer in this process (the learner the trainer stage runs, its memory plan applied), one step's batch
@@ -15,6 +18,7 @@ see what that setting buys back. Writes <name>.json into --out.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -61,7 +65,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed trainer steps per part")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "gpu")
     parser.add_argument("--name", default="contention", help="the result file's name, without .json")
+    parser.add_argument("--engine-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable SGLang is started with (not the trainer); repeatable")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer of the trainer")
     args, extra = parser.parse_known_args(argv)
+    if bad_env := [e for e in args.engine_env if "=" not in e]:
+        raise UserError(f"--engine-env takes NAME=VALUE, not {', '.join(bad_env)}")
     if bad := [a for a in extra if not is_override(a)]:
         raise UserError(f"unrecognized arguments: {' '.join(bad)}")
     import torch
@@ -75,6 +84,7 @@ def main(argv: list[str]) -> int:
     from nano_miles.stages.trainer.learner import Learner
     from nano_miles.tasks.prompts import load_tokenizer
     overrides = BASE + [f"--model.path={args.model}"] + extra
+    os.environ["NANOMILES_CONFIG"] = str(REPO_ROOT / CONFIG)  # the engine reads the same config
     cfg = load_config(REPO_ROOT / CONFIG, overrides=overrides)
     if cfg.trainer.memory_plan:
         cfg = memory_plan.apply(cfg, memory_plan.plan_for(cfg, torch.cuda.get_device_properties(0).total_memory))
@@ -83,15 +93,28 @@ def main(argv: list[str]) -> int:
     requests = [p for p in prompts for _ in range(cfg.rollout.group_size)]
     sampling = {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.temperature}
     with tempfile.TemporaryDirectory(prefix="contention-") as tmp:
-        proc, url = launch(cfg.model_dir, Path(tmp) / "sglang.log", overrides, timeout_s=900, stop=stop_sglang,
-                           is_new_session=True)
+        engine_env = dict(e.split("=", 1) for e in args.engine_env)
+        saved = {k: os.environ.get(k) for k in engine_env}
+        os.environ.update(engine_env)
+        try:
+            proc, url = launch(cfg.model_dir, Path(tmp) / "sglang.log", overrides, timeout_s=900, stop=stop_sglang,
+                               is_new_session=True)
+        finally:  # the trainer's own CUDA context starts below, without them
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         try:
             client = EngineClient(url)
             model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32).to("cuda")
+            if args.compile:
+                for layer in model.model.layers:
+                    layer.compile(dynamic=True)
             learner = Learner(cfg.trainer, model, tokenizer.pad_token_id or 0, cfg.rollout.temperature,
                               cfg.rollout.max_new_tokens)
             batch = step_batch(cfg, prompts)
-            time_steps(learner, batch, 1)  # warm-up: kernels, allocator, optimizer state
+            time_steps(learner, batch, 2 if args.compile else 1)  # warm-up: kernels, compiling, allocator, optimizer state
             alone = time_steps(learner, batch, args.steps)
             seconds, tokens = timed_generation(client, cfg, prompts)
             generate_alone = tokens / seconds
@@ -111,7 +134,8 @@ def main(argv: list[str]) -> int:
             thread.join()
         finally:
             stop_sglang(proc)
-    result = {"model": str(args.model), "config": CONFIG, "overrides": overrides,
+    result = {"model": str(args.model), "config": CONFIG, "overrides": overrides, "engine_env": args.engine_env,
+              "compile": args.compile,
               "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
               "gradient_checkpointing": cfg.trainer.gradient_checkpointing,
               "train_step_s_alone": alone, "train_step_s_shared": shared,

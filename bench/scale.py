@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -75,13 +76,19 @@ def standalone_generation(cfg, overrides: list[str], log: Path) -> dict:
     return {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
-def pipeline_run(mode: str, overrides: list[str], root: Path, num_params: int) -> dict:
+def pipeline_run(mode: str, overrides: list[str], root: Path, num_params: int, logs: Path | None) -> dict:
     from staleness import run_dir_name, run_variant
     from vs_trl import DeviceMemory
 
     from nano_miles.observe.run_record import read_jsonl
     with DeviceMemory() as memory:
-        run_variant(mode, 0, MODES[mode] + overrides, root)
+        try:
+            run_variant(mode, 0, MODES[mode] + overrides, root)
+        finally:
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                for log in (root / run_dir_name(mode, 0)).glob("*.log"):
+                    shutil.copy(log, logs / f"{mode}_{log.name}")
     # step 1 pays first-time costs; a step that ran the held-out evaluation (the last one) is no step's pace
     records = [r for r in read_jsonl(root / run_dir_name(mode, 0) / "metrics.jsonl")[1:] if not r["phase_s"]["eval"]]
     median = lambda key: statistics.median(r[key] for r in records)  # noqa: E731
@@ -125,6 +132,8 @@ def main(argv: list[str]) -> int:
                         help="where the shapes' model directories are (built there if missing)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "gpu")
     parser.add_argument("--name", default="scale", help="the result file's name, without .json")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="copy each run's engine and trainer logs to --out/<name>_logs (SGLang's decode lines)")
     parser.add_argument("--report", type=Path, help="print the table of an earlier result file and stop")
     args, extra = parser.parse_known_args(argv)
     if args.report is not None:
@@ -149,7 +158,8 @@ def main(argv: list[str]) -> int:
             print(f"{shape}: SGLang alone on one step's batch ...", flush=True)
             entry["standalone"] = standalone_generation(cfg, overrides, Path(tmp) / "sglang.log")
             for mode in modes:
-                entry["runs"].append(pipeline_run(mode, overrides, Path(tmp), entry["num_parameters"]))
+                logs = args.out / f"{args.name}_logs" / shape if args.keep_logs else None
+                entry["runs"].append(pipeline_run(mode, overrides, Path(tmp), entry["num_parameters"], logs))
                 write_result(args.out / f"{args.name}.json", result, is_complete=False)  # a cut bench keeps its runs
                 print_table([entry])
     write_result(args.out / f"{args.name}.json", result, is_complete=True)
