@@ -58,8 +58,7 @@ class RunConfig(Section):
                                                       # older are dropped
     pause_mode: str = checked("abort", one_of(*PAUSE_MODES))  # engine pause at a weight update: abort (in-flight
                                                       # samples come back partial, are resumed), retract, in_place
-    hang_timeout_s: float = checked(120.0, at_least(0))  # a stage whose loop has not beaten for this long
-                                                      # is restarted (0 = never); above its longest step
+    hang_timeout_s: float = checked(120.0, at_least(0))  # restart a stage whose loop is this long silent (0: never)
 
     def __post_init__(self):
         super().__post_init__()
@@ -224,6 +223,7 @@ class TrainerConfig(Section):
     dtype: str = checked("float32", one_of(*TRAIN_DTYPES))  # bfloat16: autocast, fp32 weights and optimizer
     gradient_checkpointing: bool = checked(False, BOOL)  # recompute activations in the backward pass
     memory_plan: bool = checked(False, BOOL)          # CUDA: the two above from stages/trainer/memory_plan.py
+    compile: bool = checked(False, BOOL)              # CUDA: each decoder layer through torch.compile
     endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
     device: str = checked("cpu", DEVICE)
     num_threads: int = checked(1, at_least(1))

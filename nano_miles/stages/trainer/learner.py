@@ -100,6 +100,17 @@ def shares(rows: list[int], num: int) -> list[list[int]]:
     return [s for s in out if s]
 
 
+def compile_layers(model) -> int:
+    """Run each decoder layer (the classes transformers keeps whole: `_no_split_modules`) through
+    torch.compile, shapes dynamic (every micro-batch packs another length); parameter names stay as
+    they are, so checkpoints and weight pushes see the same model. How many layers it compiled."""
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 class Learner:
     def __init__(self, trainer_cfg, model, pad_id: int, temperature: float, max_new_tokens: int = 0):
         t = self.cfg = trainer_cfg
@@ -129,6 +140,8 @@ class Learner:
         self.reference = None
         if t.kl_coef > 0:
             self.reference = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+        if t.compile and on_gpu:  # after the reference's copy: a compiled layer's call is bound to its module
+            compile_layers(model)
 
     def autocast(self):
         if self.cfg.dtype == "float32":
