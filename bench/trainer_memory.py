@@ -109,7 +109,7 @@ def measure(case: Case, device: str) -> dict:
     import torch
 
     from nano_miles.algo import grpo
-    from nano_miles.run.config import TrainerConfig
+    from nano_miles.run.sections import TrainerConfig
     from nano_miles.stages.trainer.learner import Learner, TrainSample
     torch.set_num_threads(1)  # the trainer's default trainer.num_threads
     model = make_model(device)

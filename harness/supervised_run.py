@@ -18,7 +18,7 @@ from pathlib import Path
 
 from harness.servers import REPO_ROOT as REPO
 from harness.servers import free_port, free_ports_in_a_row
-from nano_miles.run.config import MAX_REPLICAS
+from nano_miles.run.sections import MAX_REPLICAS
 from nano_miles.run.process import processes_of_run
 from nano_miles.observe.run_record import read_jsonl
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nano_miles.run.config import DEFAULT_POLICY_DIR, TrainerConfig
+from nano_miles.run.config import DEFAULT_POLICY_DIR
+
+from nano_miles.run.sections import TrainerConfig
 from nano_miles.stages.trainer.checkpoint import (MANIFEST, TrainerState, complete_checkpoints, load_newest,
                                                   save_checkpoint)
 from nano_miles.stages.trainer.learner import Learner

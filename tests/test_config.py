@@ -9,7 +9,8 @@ import pytest
 from harness.servers import REPO_ROOT, proc_command
 from nano_miles.engine.launch import engine_command
 from nano_miles.run.cli import ArgumentParser
-from nano_miles.run.config import DEFAULT_POLICY_DIR, Config, ConfigError, RunConfig, load_config, parse_config
+from nano_miles.run.config import DEFAULT_POLICY_DIR, Config, ConfigError, load_config, parse_config
+from nano_miles.run.sections import RunConfig
 
 
 def test_layers_and_types(tmp_path, monkeypatch):
@@ -164,9 +165,9 @@ def test_algorithm_settings_that_do_not_go_together_are_refused(overrides, match
 
 def test_the_algorithm_names_are_the_ones_algo_picks_its_functions_by():
     from nano_miles.algo import advantages, loss
-    from nano_miles.run import config
-    assert config.ADVANTAGES == tuple(advantages.ESTIMATORS) and config.REWARD_SCALES == advantages.SCALES
-    assert config.LOSSES == loss.LOSSES and config.KL_ESTIMATORS == loss.KL_ESTIMATORS
+    from nano_miles.run import sections
+    assert sections.ADVANTAGES == tuple(advantages.ESTIMATORS) and sections.REWARD_SCALES == advantages.SCALES
+    assert sections.LOSSES == loss.LOSSES and sections.KL_ESTIMATORS == loss.KL_ESTIMATORS
 
 
 def test_replicas_are_engines_started_here_and_get_a_router():
@@ -182,7 +183,7 @@ def test_replicas_are_engines_started_here_and_get_a_router():
 def test_supervisord_conf_has_a_slot_for_every_replica_a_config_may_ask_for():
     import configparser
 
-    from nano_miles.run.config import MAX_REPLICAS
+    from nano_miles.run.sections import MAX_REPLICAS
     conf = configparser.RawConfigParser()
     conf.read(REPO_ROOT / "supervisord.conf")
     assert 1 + int(conf["program:replica"]["numprocs"]) == MAX_REPLICAS  # engine, then replicas 1..N-1

@@ -113,9 +113,9 @@ def module_file(dotted: str) -> Path | None:
 
 @cache
 def config_sections() -> dict[str, set[str]]:
-    """[section] -> its keys, read from the dataclasses of nano_miles/run/config.py."""
+    """[section] -> its keys, read from the dataclasses of nano_miles/run/sections.py."""
     sections = {}
-    for node in parsed(PACKAGE / "run" / "config.py").body:
+    for node in parsed(PACKAGE / "run" / "sections.py").body:
         if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and node.name != "Config":
             sections[node.name.removesuffix("Config").lower()] = {
                 item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}

@@ -18,7 +18,8 @@ from conftest import start_engine, stop_process
 from harness.servers import REPO_ROOT, proc_command
 from nano_miles.engine.client import EngineClient
 from nano_miles.run.cli import UserError
-from nano_miles.run.config import Config, RunConfig, TaskConfig, load_config
+from nano_miles.run.config import Config, load_config
+from nano_miles.run.sections import RunConfig, TaskConfig
 from nano_miles.stages.rollout.producer import RolloutProducer
 from nano_miles.tasks import Problem, load_problems
 from nano_miles.tasks.files import read_problems

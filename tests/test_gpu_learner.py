@@ -11,7 +11,7 @@ import torch
 
 from conftest import GPU_ONLY, report
 from harness.model_shapes import QWEN25_05B
-from nano_miles.run.config import TrainerConfig
+from nano_miles.run.sections import TrainerConfig
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 
 pytestmark = GPU_ONLY

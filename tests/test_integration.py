@@ -9,7 +9,7 @@ from nano_miles.algo.advantages import estimate
 from nano_miles.algo.grpo import assemble_batch, token_logprobs
 from nano_miles.algo.loss import LossConfig, policy_loss
 from nano_miles.engine.client import EngineClient, parse_output
-from nano_miles.run.config import TaskConfig
+from nano_miles.run.sections import TaskConfig
 from nano_miles.tasks.prompts import encode_prompts, make_decoder
 from nano_miles.tasks.arithmetic import make_problems, reward
 from nano_miles.weights.tensor_sender import push_weights

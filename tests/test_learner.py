@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from nano_miles.algo import grpo
 from nano_miles.algo.grpo import assemble_batch, micro_batches, token_scores
-from nano_miles.run.config import TrainerConfig
+from nano_miles.run.sections import TrainerConfig
 from nano_miles.stages.trainer.learner import Learner, TrainSample, lr_factor
 
 TEMPERATURE = 0.8

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nano_miles.algo.grpo import assemble_batch, token_scores
-from nano_miles.run.config import TrainerConfig
+from nano_miles.run.sections import TrainerConfig
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 
 TEMPERATURE = 0.8

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from nano_miles.algo.grpo import assemble_batch, token_scores
 from nano_miles.algo.packing import Packing, is_packed
-from nano_miles.run.config import TrainerConfig
+from nano_miles.run.sections import TrainerConfig
 from nano_miles.stages.trainer import packed_attention
 from nano_miles.stages.trainer.learner import Learner
 from test_learner import TEMPERATURE, make_samples

@@ -15,7 +15,8 @@ from nano_miles.rewards import load_reward, sample_facts
 from nano_miles.rewards.math import extract_answer, reward
 from nano_miles.rewards.worker import RewardWorker
 from nano_miles.run.cli import UserError
-from nano_miles.run.config import RewardConfig, load_config
+from nano_miles.run.config import load_config
+from nano_miles.run.sections import RewardConfig
 from nano_miles.stages.reward.scorer import score_group
 from nano_miles.wire.data import RolloutGroup, Sample
 

@@ -8,7 +8,8 @@ import pytest
 
 from nano_miles.run.cli import UserError
 from nano_miles.run.plugins import load_function
-from nano_miles.run.config import Config, TaskConfig
+from nano_miles.run.config import Config
+from nano_miles.run.sections import TaskConfig
 from nano_miles.tasks import load_problems
 from nano_miles.tasks.arithmetic import (Expression, Problem, extract_answer, make_expressions, make_problems,
                                          render_prompt, reward, split_of)
