@@ -2,11 +2,11 @@
 
 `python -m nano_miles.run.config [--config FILE] [--section.key=value ...]` prints the merged config.
 
-Layering, lowest first: the dataclass defaults below, the TOML file (`configs/default.toml` unless
+Layering, lowest first: the sections' defaults (`sections.py`), the TOML file (`configs/default.toml` unless
 `--config` or $NANOMILES_CONFIG names another), overrides from $NANOMILES_OVERRIDES (space separated;
 how supervisord-launched stages get per-run settings), then command-line overrides. Each process reads
 the whole file and uses its own section; unknown sections or keys are errors, never silently ignored.
-Every field declares what it accepts next to its default (`rules.py`): a value out of range is an
+Every field declares what it accepts next to its default (`sections.py`, with `rules.py`): a value out of range is an
 error at the process's start, naming the key, not a failure later inside a stage. `values.py` reads
 a value as its field's type; `paths.py` looks up on disk the paths the stages will need.
 """
