@@ -10,11 +10,12 @@ margin. Target: every seed gains at least 0.005 (one problem in 200; a reward of
 tests have nothing to assert. `--jobs=N` runs N pipelines at once (each takes about 2 cores); the
 gains do not depend on it, the wall times do. The JSON is written after every finished run
 (`"complete": false`, the runs so far) and again at the end with the spreads and verdicts, so a bench
-cut short keeps the runs it finished.
+cut short keeps the runs it finished; configs left out of `--configs` keep their recorded runs.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -56,7 +57,10 @@ def main(argv: list[str]) -> int:
     if args or any(c not in CONFIGS for c in configs) or not jobs.isdigit() or int(jobs) < 1:
         print(f"usage: --seeds=0,1,... --configs={','.join(CONFIGS)} --jobs=N", file=sys.stderr)
         return 2
-    result, all_verdicts = {"seeds": seeds, "configs": {}}, []
+    # the configs not run now keep their recorded seeds: the tests take every config's margin from this file
+    kept = {c: v for c, v in json.loads(RESULTS.read_text())["configs"].items() if c not in configs} \
+        if RESULTS.exists() else {}
+    result, all_verdicts = {"seeds": seeds, "configs": dict(kept)}, []
 
     def run_and_show(config: str, seed: int, root: Path) -> dict:
         print(f"{config} seed {seed} ...", flush=True)
@@ -67,8 +71,8 @@ def main(argv: list[str]) -> int:
 
     def finished_runs(done: dict) -> dict:
         """Per config, its finished runs in seed order."""
-        return {c: {"overrides": CONFIGS[c], "runs": [done[c, s] for s in seeds if (c, s) in done]}
-                for c in configs if any((c, s) in done for s in seeds)}
+        return {**kept, **{c: {"overrides": CONFIGS[c], "runs": [done[c, s] for s in seeds if (c, s) in done]}
+                           for c in configs if any((c, s) in done for s in seeds)}}
 
     done = {}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(int(jobs)) as pool:
@@ -90,6 +94,8 @@ def main(argv: list[str]) -> int:
         all_verdicts += verdicts
     print(f"\n{'config':<8} {'gain':<12} {'mean [min, max] over seeds':>28}")
     for config, c in result["configs"].items():
+        if config in kept:
+            continue
         for g in GAINS:
             print(f"{config:<8} {g:<12} {Spread.of([r[g] for r in c['runs']]).text('+.3f'):>28}")
     print_verdicts(all_verdicts)

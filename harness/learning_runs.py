@@ -22,7 +22,11 @@ SYNC = ["--trainer.num_steps=48", "--trainer.batch_groups=16", "--rollout.group_
 # tests/test_async.py: the producer runs up to 2 versions ahead
 ASYNC = ["--run.mode=async", "--run.max_staleness=2", "--trainer.num_steps=40", "--trainer.batch_groups=8",
          "--rollout.group_size=8", "--trainer.eval_every=20", "--task.num_test=200", "--trainer.lr=1e-4"]
-CONFIGS = {"sync": SYNC, "async": ASYNC}
+# tests/test_lora.py: sync with LoRA adapters of rank 16 (and the larger learning rate adapters take)
+LORA = ["--trainer.lora_rank=16", "--trainer.lora_alpha=32", "--trainer.lr=1e-3", "--trainer.num_steps=32",
+        "--trainer.batch_groups=16", "--rollout.group_size=8", "--trainer.eval_every=16", "--task.num_test=200",
+        "--trainer.checkpoint_every=16"]
+CONFIGS = {"sync": SYNC, "async": ASYNC, "lora": LORA}
 # README "Train on your own data", without a GPU: the project's word problems as a user's JSONL file
 WORD_PROBLEMS = ["--task.name=nano_miles.tasks.files", "--task.train_file=examples/word_problems/train.jsonl",
                  "--task.test_file=examples/word_problems/test.jsonl", "--task.prompt_key=question",

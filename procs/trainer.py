@@ -32,6 +32,7 @@ def main(argv: list[str]) -> int:
     from nano_miles.engine.client import EngineError
     from nano_miles.rewards.worker import RewardWorker
     from nano_miles.run.process import EXIT_STOPPED, StopRequested, setup_process
+    from nano_miles.stages.trainer import lora
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
     from nano_miles.tasks.prompts import load_tokenizer, stop_token_ids
@@ -56,7 +57,7 @@ def main(argv: list[str]) -> int:
         logging.getLogger("trainer").info("memory plan: %s", chosen.describe())
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
-    model.to(cfg.trainer.device)
+    model = lora.wrap(model, cfg.trainer).to(cfg.trainer.device)  # trainer.lora_rank > 0: adapters train
     trainer = Trainer(cfg, zmq.Context.instance(), model, tokenizer, evaluator, split)  # may refuse the run dir
     signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
     (cfg.run_dir / "config.toml").write_text(cfg.to_toml())

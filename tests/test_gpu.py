@@ -177,6 +177,39 @@ def test_weight_update_changes_outputs_and_parity_holds(sglang_url, prompts, pol
     assert mean_abs_gap(restored, reference_scores) < 1e-3
 
 
+def test_a_lora_model_reaches_the_engine_merged(sglang_url, prompts, policy_dir):
+    """trainer.lora_rank > 0: the flat path sends the base with the adapters merged in; the engine then
+    scores as the trainer's LoRA model does, and pushing the plain base restores the engine exactly."""
+    from nano_miles.run.sections import TrainerConfig
+    from nano_miles.stages.trainer import lora
+    from nano_miles.weights.flat_sender import FlatSender
+
+    client = EngineClient(sglang_url)
+    probe = prompts[:16]
+    responses = [s[0] for s in sample(client, probe, 16)]
+    before = engine_scores(client, probe, responses)
+    model = lora.wrap(load_trainer_model(policy_dir, torch.float32), TrainerConfig(lora_rank=8)).to("cuda")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(std=0.05)  # adapters far from zero: the merged model differs visibly
+    pusher = FlatSender(client)
+    client.pause("abort")
+    pusher.push(model, 1)
+    client.resume()
+    merged = copy.deepcopy(model).merge_and_unload().to(torch.bfloat16)
+    after = engine_scores(client, probe, responses)
+    assert mean_abs_gap(after, before) > 0.05, "the adapters must reach the engine"
+    gap = mean_abs_gap(after, trainer_logprobs(merged, probe, responses))
+    report("parity_prefill_bf16_after_lora_flat_update_mean_abs", gap)
+    assert gap <= MAX_PARITY_BF16
+    client.pause("abort")
+    pusher.push(load_trainer_model(policy_dir, torch.float32), 2)  # the plain base again, same layout
+    client.resume()
+    assert mean_abs_gap(engine_scores(client, probe, responses), before) < 1e-3
+
+
 def test_prefix_cache_is_reported(sglang_url):
     """Started for abort-mode pauses, SGLang keeps its radix cache: the trainer's updates must flush it."""
     from nano_miles.engine.client import has_prefix_cache

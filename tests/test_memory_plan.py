@@ -4,6 +4,7 @@ the peaks measured there, and its dry run.
 Run: pytest tests/test_memory_plan.py
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -58,7 +59,7 @@ def test_the_plan_reads_any_model_directory_and_goes_into_the_config(tmp_path, p
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir))
     assert Shape.of(policy_dir).num_parameters == sum(p.numel() for p in model.parameters())
     shape_config("1.5b").save_pretrained(tmp_path)  # a config.json is all the plan reads
-    assert Shape.of(tmp_path) == shape("1.5b")
+    assert dataclasses.replace(Shape.of(tmp_path), linear_sizes={}) == shape("1.5b")
     cfg = load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang", "--trainer.memory_plan=true"])
     chosen = memory_plan.plan_for(cfg, H200)
     planned = memory_plan.apply(cfg, chosen)
@@ -84,3 +85,17 @@ def test_the_dry_run_prints_the_plan_or_one_line_of_why_not(tmp_path):
     assert ok.returncode == 0 and "0.49 B parameters" in ok.stdout and "gradient_checkpointing=false" in ok.stdout
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "needs about" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_lora_fits_the_7b_shape_beside_sglang(tmp_path):
+    """Full fine-tuning of the 7B shape is refused and points at LoRA; LoRA's state is the bf16 base and
+    fp32 adapters with their AdamW state, which fits."""
+    shape_config("7b").save_pretrained(tmp_path)
+    s = Shape.of(tmp_path)
+    with pytest.raises(UserError, match=r"or train LoRA adapters \(trainer.lora_rank\)"):
+        plan(s, H200, 0.3)
+    adapters = s.adapter_parameters(16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert adapters == 16 * 28 * (2 * 3584 + 2 * (3584 + 512) + 2 * 3584 + 2 * (3584 + 18944) + 18944 + 3584)
+    chosen = plan(s, H200, 0.3, adapters=adapters, base_bytes=2)
+    assert chosen.state_gib == pytest.approx((s.num_parameters * 2 + adapters * 16) / GIB)
+    assert chosen.state_gib < 16 and chosen.peak_gib <= chosen.available_gib

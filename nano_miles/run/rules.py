@@ -83,6 +83,9 @@ NUMBERS = Rule("a list of finite numbers", lambda v: isinstance(v, list) and all
     isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
 SHELL_WORDS = Rule("shell words with balanced quotes", _is_shell_words)
 TOP_K = Rule("-1 (off) or >= 1", lambda v: v == -1 or v >= 1)
+DROPOUT = Rule("in [0, 1)", lambda v: 0 <= v < 1)
+NAMES = Rule("a non-empty list of module names", lambda v: isinstance(v, list) and bool(v) and all(
+    isinstance(n, str) and re.fullmatch(r"[A-Za-z_]\w*", n) for n in v))
 
 
 class Section:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
-                                  NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
+from nano_miles.run.rules import (ANY_TEXT, BOOL, DEVICE, DROPOUT, ENDPOINT, FRACTION, FUNCTION, FUNCTIONS, HOST, MODULE,
+                                  NAMES, NON_EMPTY, NUMBERS, OPEN_FRACTION, PORT, PORT_OR_FREE, SHELL_WORDS, TOP_K,
                                   URL_OR_EMPTY, URLS, Section, above, at_least, between, checked, one_of)
 from nano_miles.run.values import ConfigError
 from nano_miles.wire.control import PAUSE_MODES
@@ -24,6 +24,8 @@ ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 REWARD_SCALES = ("group", "batch", "none")
 LOSSES = ("dapo", "grpo", "dr_grpo", "gspo", "gspo_token", "cispo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# every attention and MLP projection of a Qwen2 / Llama-style decoder layer (TRL's, verl's and PEFT's usual set)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_REPLICAS = 4  # engine slots in supervisord.conf (engine + [program:replica] numprocs); unused slots exit
 
 
@@ -202,6 +204,11 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = checked(False, BOOL)  # recompute activations in the backward pass
     memory_plan: bool = checked(False, BOOL)          # CUDA: the two above from stages/trainer/memory_plan.py
     compile: bool = checked(False, BOOL)              # CUDA: each decoder layer through torch.compile
+    lora_rank: int = checked(0, at_least(0))          # > 0: train LoRA adapters of this rank on frozen base
+                                                      # weights (PEFT); 0 = full fine-tuning
+    lora_alpha: float = checked(32.0, above(0))       # the adapters' scale is lora_alpha / lora_rank
+    lora_dropout: float = checked(0.0, DROPOUT)  # dropout on the adapters' input
+    lora_target_modules: list = checked(list(LORA_TARGETS), NAMES)  # the linear layers that get adapters
     endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
     device: str = checked("cpu", DEVICE)
     num_threads: int = checked(1, at_least(1))

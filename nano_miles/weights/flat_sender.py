@@ -14,7 +14,7 @@ import torch
 from nano_miles.engine.client import uses_update_sessions
 from nano_miles.weights import flat_receiver
 from nano_miles.weights.flat_receiver import ALIGN_BYTES, flat_view
-from nano_miles.weights.named_tensors import trainable_named_tensors
+from nano_miles.weights.named_tensors import merged_named_tensors, trainable_named_tensors
 
 # what SGLang must have been started with as --custom-weight-loader (nano_miles/engine/launch.py does)
 LOADER = f"{flat_receiver.__name__}.{flat_receiver.load_flat.__name__}"
@@ -28,16 +28,18 @@ class FlatSender:
         self.model: torch.nn.Module | None = None
 
     def _build(self, model: torch.nn.Module) -> None:
-        named = trainable_named_tensors(model)
-        device = named[0][1].device
-        assert device.type == "cuda", "the flat path is for CUDA tensors"
-        layout, offset = [], 0
+        is_lora = hasattr(model, "peft_config")  # its merged weights are made one at a time, never kept
+        named = merged_named_tensors(model) if is_lora else trainable_named_tensors(model)
+        layout, offset, device, self.sources = [], 0, None, []
         for name, t in named:
+            device = t.device
             offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
             layout.append([name, offset, list(t.shape), str(self.dtype).removeprefix("torch.")])
             offset += t.numel() * self.dtype.itemsize
+            if not is_lora:
+                self.sources.append(t)
+        assert device is not None and device.type == "cuda", "the flat path is for CUDA tensors"
         self.flat = torch.empty(offset, dtype=torch.uint8, device=device)
-        self.sources = [t for _, t in named]
         self.slots = [flat_view(self.flat, *entry[1:]) for entry in layout]
         self.layout_key = json.dumps(layout, separators=(",", ":"))
         self.num_bytes = offset
@@ -54,7 +56,11 @@ class FlatSender:
         is_session = uses_update_sessions(self.engine)
         t0 = time.perf_counter()
         with torch.no_grad():
-            torch._foreach_copy_(self.slots, self.sources)
+            if hasattr(model, "peft_config"):  # LoRA: each adapted weight merged afresh, one at a time
+                for slot, (_, t) in zip(self.slots, merged_named_tensors(model)):
+                    slot.copy_(t)
+            else:
+                torch._foreach_copy_(self.slots, self.sources)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         serialized = MultiprocessingSerializer.serialize([(self.layout_key, self.flat)], output_str=True)

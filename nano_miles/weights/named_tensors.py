@@ -28,8 +28,39 @@ def tied_names(model: torch.nn.Module) -> set[str]:
 
 
 def trainable_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors an update sends: each parameter once, tied aliases left out."""
+    """The tensors an update sends: each parameter once, tied aliases left out; of a model with LoRA
+    adapters (PEFT's), the base model's with the adapters merged in (the engine serves a plain model)."""
+    if hasattr(model, "peft_config"):
+        return list(merged_named_tensors(model))
     return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+def merged_named_tensors(model):
+    """The base model's parameters under its own names, each adapted weight merged in fp32:
+    W + scale B A, one at a time as they are asked for (a generator: a 7B model's merged weights
+    would take 26 GB at once). The model's own tensors are not changed."""
+    base = model.get_base_model()
+    modules = dict(base.named_modules())
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if not owner:
+            yield name, p.detach()
+        elif leaf == "weight":
+            yield f"{owner}.weight", merged_weight(modules[owner])
+        else:
+            yield f"{owner}.{leaf}", p.detach()
+
+
+def merged_weight(layer) -> torch.Tensor:
+    """One PEFT LoRA linear layer's weight with its active adapters added, in fp32."""
+    with torch.no_grad():
+        w = layer.base_layer.weight.float()
+        for adapter in layer.active_adapters:
+            a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
+            w = w + layer.scaling[adapter] * (b @ a)
+    return w
 
 
 def split_into_buckets(named: list[tuple[str, torch.Tensor]], max_bucket_bytes: int):

@@ -12,6 +12,10 @@ each step trained or skipped, the run's identity, the train split's and token co
 `manifest.json`: the size and SHA-256 of every other file. It is written under a `.tmp` name, every
 file and the directory are fsynced, and only then is it renamed into place.
 
+A LoRA run's checkpoint holds PEFT's adapter directory (adapter_config.json, adapter_model.safetensors)
+instead of the model's weights, and `lora_base.json`: the base model's path and SHA-256, checked again
+at every load (`lora.py`).
+
 A checkpoint counts only if its manifest verifies. A rename makes a crash during a save harmless, but
 not a disk that loses or truncates files later, or a copy cut short: `load_newest` skips such a
 checkpoint with a warning naming it and falls back to the next older one, so a damaged newest
@@ -31,13 +35,15 @@ from pathlib import Path
 import torch
 
 from nano_miles.run.cli import UserError
+from nano_miles.stages.trainer.lora import load_adapters
 from nano_miles.weights.named_tensors import WeightUpdateError, load_safetensors_dir
 
 log = logging.getLogger("trainer")
 
 STATE_FILE = "trainer_state.pt"
+BASE_FILE = "lora_base.json"  # a LoRA checkpoint's: the base model its adapters were trained on (path, SHA-256)
 MANIFEST = "manifest.json"
-TRAINER_FILES = (STATE_FILE, MANIFEST)  # what a checkpoint holds beyond the HF model directory
+TRAINER_FILES = (STATE_FILE, MANIFEST, BASE_FILE)  # what a checkpoint holds beyond the HF model directory
 KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
 
 
@@ -123,8 +129,9 @@ def verify(directory: Path, *, checksums: bool = True) -> None:
             raise DamagedCheckpoint(f"{directory.name}: {name} does not match its SHA-256 in the manifest")
 
 
-def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState) -> Path:
-    """`learner`: what holds the optimizer and the schedule (`learner.Learner`; its `state_dict`)."""
+def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, base: dict | None = None) -> Path:
+    """`learner`: what holds the optimizer and the schedule (`learner.Learner`; its `state_dict`);
+    `base`: a LoRA model's base (`lora.base_identity`), which the checkpoint names instead of holding."""
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -132,6 +139,8 @@ def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState) 
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
     torch.save({**learner.state_dict(), **state.saved()}, tmp / STATE_FILE)
+    if base:
+        (tmp / BASE_FILE).write_text(json.dumps(base))
     _write_manifest(tmp)  # last: its presence says every file before it was written whole
     for p in tmp.iterdir():
         with open(p, "rb") as f:
@@ -166,12 +175,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return complete
 
 
-def load_newest(root: Path, model, learner) -> tuple[Path, TrainerState] | None:
+def load_newest(root: Path, model, learner, base: dict | None = None) -> tuple[Path, TrainerState] | None:
     """Load the newest checkpoint that verifies in full; damaged ones are skipped with a warning."""
     for path in reversed(_checkpoint_dirs(root)):
         try:
             verify(path)
-            return path, load_checkpoint(path, model, learner)
+            return path, load_checkpoint(path, model, learner, base)
         except (DamagedCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
             log.warning("skipping checkpoint %s: %s", path, e)
     return None
@@ -198,12 +207,12 @@ def find_checkpoint(path: Path, what: str) -> Path:
     raise UserError(f"{what} {str(path)!r} holds no checkpoint that verifies")
 
 
-def load_resume_from(path: Path, model, learner) -> tuple[Path, TrainerState]:
+def load_resume_from(path: Path, model, learner, base: dict | None = None) -> tuple[Path, TrainerState]:
     """The checkpoint `trainer.resume_from` names, loaded (see `find_checkpoint`); one of an older
     format, or of another model, is a UserError naming it."""
     found = find_checkpoint(path, "trainer.resume_from")
     try:
-        return found, load_checkpoint(found, model, learner)
+        return found, load_checkpoint(found, model, learner, base)
     except OlderCheckpoint as e:
         raise UserError(f"trainer.resume_from {str(found)!r}: {e}; its weights alone can start a new run: "
                         f"--model.path={found}") from None
@@ -211,13 +220,29 @@ def load_resume_from(path: Path, model, learner) -> tuple[Path, TrainerState]:
         raise UserError(f"trainer.resume_from {str(found)!r} does not fit model.path ({e})") from None
 
 
-def load_checkpoint(path: Path, model, learner) -> TrainerState:
-    """Load weights, optimizer and schedule state into the given objects; return the counters.
-    The state is read and checked first: one this trainer cannot continue leaves the model untouched."""
+def lora_base(path: Path) -> dict | None:
+    """The base model a LoRA checkpoint's adapters were trained on (path, SHA-256); None for a full model."""
+    return json.loads((path / BASE_FILE).read_text()) if (path / BASE_FILE).is_file() else None
+
+
+def load_checkpoint(path: Path, model, learner, base: dict | None = None) -> TrainerState:
+    """Load weights (a LoRA model's: its adapters, onto the `base` the checkpoint names), optimizer and
+    schedule state into the given objects; return the counters. The state is read and checked first:
+    one this trainer cannot continue leaves the model untouched."""
     saved = torch.load(path / STATE_FILE, weights_only=True)
     missing = [k for k in (*learner.state_dict(), *(f.name for f in fields(TrainerState))) if k not in saved]
     if missing:
         raise OlderCheckpoint(f"written by an older nano-miles: its {STATE_FILE} has no {', '.join(missing)}")
-    load_safetensors_dir(model, str(path))
+    named = lora_base(path)
+    if bool(named) != bool(base):
+        raise WeightUpdateError("it holds LoRA adapters and the trainer trains the whole model (set trainer.lora_rank)"
+                                if named else "it holds a whole model and the trainer trains LoRA adapters")
+    if base and named["sha256"] != base["sha256"]:
+        raise WeightUpdateError(f"its adapters were trained on the base model {named['path']} "
+                                f"(SHA-256 {named['sha256'][:12]}), not this one ({base['path']}, {base['sha256'][:12]})")
+    if base:
+        load_adapters(model, path)
+    else:
+        load_safetensors_dir(model, str(path))
     learner.load_state_dict(saved)
     return TrainerState.from_saved(saved)

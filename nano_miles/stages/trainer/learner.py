@@ -118,7 +118,8 @@ class Learner:
         self.device = next(model.parameters()).device
         on_gpu = self.device.type == "cuda"
         # fused: one kernel for the whole update on a GPU; the CPU keeps the default (its numbers unchanged)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+        self.trained = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA model's adapters
+        self.optimizer = torch.optim.AdamW(self.trained, lr=t.lr, weight_decay=t.weight_decay,
                                            **({"fused": True} if on_gpu else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, t.lr_warmup_steps, t.lr_schedule, t.num_steps,
@@ -137,8 +138,9 @@ class Learner:
         if on_gpu:
             packed_attention.enable(model)
         # the starting policy, before any checkpoint is loaded into `model`: the KL anchor of the run
+        # (a LoRA model's is itself with its adapters switched off: no second copy)
         self.reference = None
-        if t.kl_coef > 0:
+        if t.kl_coef > 0 and not hasattr(model, "peft_config"):
             self.reference = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
         if t.compile and on_gpu:  # after the reference's copy: a compiled layer's call is bound to its module
             compile_layers(model)
@@ -227,14 +229,14 @@ class Learner:
             if self.cfg.recompute_old_logprobs:
                 old_logp = self.logprobs(self.model, batch)
                 weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask, self.cfg.tis_clip)
-            if self.reference is not None:
-                ref_logp = self.logprobs(self.reference, batch)
+            if self.cfg.kl_coef > 0:
+                ref_logp = self.reference_logprobs(batch)
         return Part(rows, batch, old_logp, weights, ref_logp)
 
     def advantages(self, samples: list[TrainSample], parts: list[Part]) -> np.ndarray:
         """Each sample's advantage, from its group's rewards (less the KL penalty with kl_in = reward)."""
         rewards = np.array([s.reward for s in samples], np.float64)  # float32 values (the wire's), exactly
-        if self.reference is not None and self.cfg.kl_in == "reward":
+        if self.cfg.kl_coef > 0 and self.cfg.kl_in == "reward":
             for p in parts:  # KL of the behaviour policy to the reference, summed over each response
                 kl = kl_terms(p.old_logp, p.ref_logp, p.batch.loss_mask, self.cfg.kl_estimator).sum(dim=1)
                 rewards[p.rows] -= self.cfg.kl_coef * kl.double().cpu().numpy()
@@ -265,7 +267,7 @@ class Learner:
                                   entropy=entropy)
             out.loss.backward()  # divided by the share's totals: the micro-batches' gradients add up
             outputs.append(out)
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.trained, self.cfg.max_grad_norm))
         if math.isfinite(norm):
             self.optimizer.step()
         else:  # a NaN or inf gradient never reaches the weights (nor, so, an engine)
@@ -292,6 +294,12 @@ class Learner:
         return assemble_batch([s.prompt for s in samples], [s.response for s in samples],
                               [s.logprobs for s in samples], list(advantages), self.pad_id,
                               [s.loss_mask for s in samples]).to(self.device)
+
+    def reference_logprobs(self, batch) -> torch.Tensor:
+        if self.reference is not None:
+            return self.logprobs(self.reference, batch)
+        with self.model.disable_adapter():  # LoRA: the base model is the reference
+            return self.logprobs(self.model, batch)
 
     def logprobs(self, model, batch) -> torch.Tensor:
         return token_scores(model, batch.input_ids, batch.targets, batch.attention_mask, self.temperature,

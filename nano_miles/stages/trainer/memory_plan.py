@@ -7,7 +7,8 @@ true` a CUDA trainer applies the plan at start and logs it; without it the confi
 
 The estimate, per GPU byte (bf16 autocast, fp32 master weights):
   state        16 B a parameter: fp32 weights, gradients and AdamW's two moments (+ 2 B for the bf16
-               reference with a KL penalty)
+               reference with a KL penalty); with LoRA 16 B an adapter parameter and the frozen base's
+               own (2 B in bf16)
   fixed        FIXED_GIB: the output head's chunk of fp32 logits and what surrounds it (grpo.py), the
                allocator's slack
   activations  per token of a micro-batch, without checkpointing: every layer keeps ~(38 h + 9 i) bytes
@@ -61,6 +62,11 @@ class Shape:
     hidden_size: int
     intermediate_size: int
     num_layers: int
+    linear_sizes: dict = dataclasses.field(default_factory=dict)  # linear layer name -> sum of in + out
+
+    def adapter_parameters(self, rank: int, targets) -> int:
+        """How many parameters LoRA adapters of `rank` on the `targets` linear layers have: r (in + out) each."""
+        return rank * sum(self.linear_sizes.get(name, 0) for name in targets)
 
     @classmethod
     def of(cls, model_dir: Path) -> "Shape":
@@ -75,8 +81,13 @@ class Shape:
         from transformers import AutoConfig, AutoModelForCausalLM
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+        sizes: dict[str, int] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                leaf = name.rsplit(".", 1)[-1]
+                sizes[leaf] = sizes.get(leaf, 0) + m.in_features + m.out_features
         return cls(sum(p.numel() for p in model.parameters()), config["hidden_size"], config["intermediate_size"],
-                   config["num_hidden_layers"])
+                   config["num_hidden_layers"], sizes)
 
     def activation_bytes(self, tokens: int, checkpointing: bool) -> float:
         layer = 38 * self.hidden_size + 9 * self.intermediate_size  # one layer's, per token
@@ -84,11 +95,16 @@ class Shape:
         return ACTIVATION_MARGIN * kept * tokens
 
 
-def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference: bool = False) -> Plan:
+def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference: bool = False,
+         adapters: int = 0, base_bytes: int = 4) -> Plan:
     """The micro-batch size and checkpointing for a model of `shape` on a GPU of `gpu_bytes` of which an
-    engine holds `engine_fraction` (0: none); UserError if nothing fits."""
+    engine holds `engine_fraction` (0: none); UserError if nothing fits. `adapters` > 0: LoRA, that many
+    trained parameters on a frozen base of `base_bytes` a parameter (whose reference costs nothing)."""
     available = gpu_bytes * (1 - engine_fraction) - (ENGINE_RESERVE_GIB * GIB if engine_fraction else 0)
-    state = shape.num_parameters * (16 + (2 if with_reference else 0))
+    if adapters:
+        state = shape.num_parameters * base_bytes + adapters * 16
+    else:
+        state = shape.num_parameters * (16 + (2 if with_reference else 0))
     base = state + FIXED_GIB * GIB
     for checkpointing, budgets in ((False, NO_CHECKPOINT_TOKENS), (True, CHECKPOINT_TOKENS)):
         for tokens in budgets:
@@ -96,10 +112,12 @@ def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference
             if peak <= available:
                 return Plan(tokens, checkpointing, peak / GIB, available / GIB, state / GIB)
     least = base + shape.activation_bytes(CHECKPOINT_TOKENS[-1], True)
-    raise UserError(f"full fine-tuning of {shape.num_parameters / 1e9:.2f} B parameters needs about {least / GIB:.0f} GiB "
+    how = "LoRA" if adapters else "full fine-tuning"
+    raise UserError(f"{how} of {shape.num_parameters / 1e9:.2f} B parameters needs about {least / GIB:.0f} GiB "
                     f"on the trainer's GPU ({state / GIB:.0f} GiB of weights, gradients and AdamW state alone); "
                     f"{available / GIB:.0f} GiB is left beside the engine: lower engine.mem_fraction_static, "
-                    "put the engine on another GPU, or train a smaller model")
+                    "put the engine on another GPU, " + ("or train a smaller model" if adapters else
+                                                         "or train LoRA adapters (trainer.lora_rank)"))
 
 
 def engine_fraction(cfg) -> float:
@@ -108,7 +126,10 @@ def engine_fraction(cfg) -> float:
 
 
 def plan_for(cfg, gpu_bytes: int) -> Plan:
-    return plan(Shape.of(cfg.model_dir), gpu_bytes, engine_fraction(cfg), with_reference=cfg.trainer.kl_coef > 0)
+    t, shape = cfg.trainer, Shape.of(cfg.model_dir)
+    return plan(shape, gpu_bytes, engine_fraction(cfg), with_reference=t.kl_coef > 0,
+                adapters=shape.adapter_parameters(t.lora_rank, t.lora_target_modules),
+                base_bytes=2 if t.dtype == "bfloat16" else 4)
 
 
 def apply(cfg, chosen: Plan):

@@ -36,6 +36,7 @@ from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.run.identity import ensure_run_identity, refuse_another_split, write_run_identity
 from nano_miles.run.process import StopRequested
+from nano_miles.stages.trainer import lora
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
@@ -63,6 +64,8 @@ class Trainer:
         self.max_staleness = cfg.run.effective_max_staleness
         self.run_dir = cfg.run_dir
         self.state = TrainerState()
+        # LoRA: the base model a checkpoint's adapters belong to (hashed once, here)
+        self.base = lora.base_identity(cfg.model_dir) if lora.is_lora(model) else None
         self.resume_from_checkpoint(split)
         self.saved_step = self.step  # the step of the newest checkpoint (0: the base model needs none)
         self.is_stop_requested = False
@@ -157,7 +160,7 @@ class Trainer:
     def checkpoint(self) -> None:
         """Save the state after the last step trained, unless the newest checkpoint holds it already."""
         if self.step != self.saved_step:
-            save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state)
+            save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state, self.base)
             self.saved_step = self.step
 
     def request_stop(self) -> None:  # SIGTERM's handler: a flag, read where stopping is safe
@@ -173,10 +176,10 @@ class Trainer:
         (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
         start. So a restarted trainer always picks up its own newest step, never resume_from again.
         A checkpoint made under another train split is refused (`refuse_another_split`)."""
-        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner)
+        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner, self.base)
         is_continued = loaded is None and bool(self.cfg.trainer.resume_from)
         if is_continued:
-            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner)
+            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner, self.base)
         if loaded is not None:
             path, self.state = loaded
             refuse_another_split(self.state.split, split, path)
