@@ -7,7 +7,8 @@ child is started once and reused (the fast path is one Pipe round trip per call)
 killed and a fresh one started for the next call. Start method "fork" takes any callable, closures
 included, and a replacement starts in milliseconds (the reward worker, forked before the stage has
 threads); "spawn" takes a module-level function and is safe from a process that already runs threads
-(the rollout producer's tools). Calls are serialized: one child answers one call at a time.
+(the rollout producer's tools). Calls are serialized: one child answers one call at a time. The time
+limit is the function's: a fresh child says when it has started, and its first call is timed from there.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import threading
 
 DIED, ERROR, TIMEOUT = "died", "error", "timeout"  # why a call failed
+START_TIMEOUT_S = 60.0  # for a fresh child to start and say so, before its first call is timed
 
 
 class CallFailed(Exception):
@@ -35,6 +37,7 @@ def _serve(conn, fn) -> None:
     die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handler would run its cleanup here
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C is the parent's to handle
+    conn.send(("ready", None))  # started: from here on a call's time is the function's own
     while True:
         try:
             args = conn.recv()
@@ -54,6 +57,7 @@ class ChildFunction:
         self.fn, self.timeout_s, self.start_method, self.name = fn, timeout_s, start_method, name
         self.num_restarts = 0
         self.proc = self.conn = None
+        self.is_ready = False
         self.lock = threading.Lock()
 
     def start(self) -> None:
@@ -62,7 +66,7 @@ class ChildFunction:
         self.proc = ctx.Process(target=_serve, args=(child_end, self.fn), daemon=True, name=self.name)
         self.proc.start()
         child_end.close()
-        self.conn = parent_end
+        self.conn, self.is_ready = parent_end, False
 
     def __call__(self, *args):
         """fn(*args), or CallFailed naming why there is no answer."""
@@ -70,6 +74,13 @@ class ChildFunction:
             if self.proc is None:
                 self.start()
             try:
+                if not self.is_ready:  # a fresh child: its start-up (a spawned one imports Python anew,
+                    # seconds on a loaded machine) is not the call's time
+                    if not self.conn.poll(START_TIMEOUT_S):
+                        self._restart()
+                        raise CallFailed(DIED, f"{self.name} did not start within {START_TIMEOUT_S:g}s")
+                    self.conn.recv()
+                    self.is_ready = True
                 self.conn.send(args)
                 reply = self.conn.recv() if self.conn.poll(self.timeout_s) else None
             except (EOFError, OSError) as e:  # the child died under the call (os._exit, a crash, OOM)
