@@ -14,7 +14,7 @@ import torch
 from nano_miles.engine.client import uses_update_sessions
 from nano_miles.weights import flat_receiver
 from nano_miles.weights.flat_receiver import ALIGN_BYTES, flat_view
-from nano_miles.weights.named_tensors import merged_named_tensors, trainable_named_tensors
+from nano_miles.weights.named_tensors import has_adapters, merged_named_tensors, trainable_named_tensors
 
 # what SGLang must have been started with as --custom-weight-loader (nano_miles/engine/launch.py does)
 LOADER = f"{flat_receiver.__name__}.{flat_receiver.load_flat.__name__}"
@@ -28,7 +28,7 @@ class FlatSender:
         self.model: torch.nn.Module | None = None
 
     def _build(self, model: torch.nn.Module) -> None:
-        is_lora = hasattr(model, "peft_config")  # its merged weights are made one at a time, never kept
+        is_lora = has_adapters(model)  # its merged weights are made one at a time, never kept
         named = merged_named_tensors(model) if is_lora else trainable_named_tensors(model)
         layout, offset, device, self.sources = [], 0, None, []
         for name, t in named:
@@ -56,7 +56,7 @@ class FlatSender:
         is_session = uses_update_sessions(self.engine)
         t0 = time.perf_counter()
         with torch.no_grad():
-            if hasattr(model, "peft_config"):  # LoRA: each adapted weight merged afresh, one at a time
+            if has_adapters(model):  # LoRA: each adapted weight merged afresh, one at a time
                 for slot, (_, t) in zip(self.slots, merged_named_tensors(model)):
                     slot.copy_(t)
             else:

@@ -27,10 +27,15 @@ def tied_names(model: torch.nn.Module) -> set[str]:
     return aliases
 
 
+def has_adapters(model: torch.nn.Module) -> bool:
+    """Does `model` carry LoRA adapters (a PEFT model, `stages/trainer/lora.py`)?"""
+    return hasattr(model, "peft_config")
+
+
 def trainable_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors an update sends: each parameter once, tied aliases left out; of a model with LoRA
     adapters (PEFT's), the base model's with the adapters merged in (the engine serves a plain model)."""
-    if hasattr(model, "peft_config"):
+    if has_adapters(model):
         return list(merged_named_tensors(model))
     return [(name, p.detach()) for name, p in model.named_parameters()]
 

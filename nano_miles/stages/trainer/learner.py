@@ -43,6 +43,7 @@ from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics
 from nano_miles.algo.grpo import TokenBatch, assemble_batch, micro_batches, token_scores
 from nano_miles.algo.loss import LossConfig, StepTotals, kl_terms, policy_loss, truncated_is_weights, unusable_logprobs
 from nano_miles.stages.trainer import packed_attention
+from nano_miles.weights.named_tensors import has_adapters
 
 TRUNCATED = "truncated"  # why a sample trains no token: cut at max_new_tokens, with trainer.mask_truncated
 
@@ -140,7 +141,7 @@ class Learner:
         # the starting policy, before any checkpoint is loaded into `model`: the KL anchor of the run
         # (a LoRA model's is itself with its adapters switched off: no second copy)
         self.reference = None
-        if t.kl_coef > 0 and not hasattr(model, "peft_config"):
+        if t.kl_coef > 0 and not has_adapters(model):
             self.reference = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
         if t.compile and on_gpu:  # after the reference's copy: a compiled layer's call is bound to its module
             compile_layers(model)

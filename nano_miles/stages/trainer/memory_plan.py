@@ -125,8 +125,9 @@ def engine_fraction(cfg) -> float:
     return cfg.engine.mem_fraction_static if cfg.engine.kind == "sglang" and not cfg.engine.urls else 0.0
 
 
-def plan_for(cfg, gpu_bytes: int) -> Plan:
-    t, shape = cfg.trainer, Shape.of(cfg.model_dir)
+def plan_for(cfg, gpu_bytes: int, shape: Shape | None = None) -> Plan:
+    """The plan for `cfg`'s model (`shape`, when the caller has read it already) and trainer settings."""
+    t, shape = cfg.trainer, shape or Shape.of(cfg.model_dir)
     return plan(shape, gpu_bytes, engine_fraction(cfg), with_reference=t.kl_coef > 0,
                 adapters=shape.adapter_parameters(t.lora_rank, t.lora_target_modules),
                 base_bytes=2 if t.dtype == "bfloat16" else 4)
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> int:
     shape = Shape.of(cfg.model_dir)
     print(f"{cfg.model_dir}: {shape.num_parameters / 1e9:.2f} B parameters; GPU {gpu_bytes / GIB:.0f} GiB, "
           f"engine's static share {engine_fraction(cfg):.2f}")
-    print(plan_for(cfg, gpu_bytes).describe())
+    print(plan_for(cfg, gpu_bytes, shape).describe())
     return 0
 
 

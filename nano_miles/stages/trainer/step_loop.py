@@ -41,6 +41,7 @@ from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.tasks.prompts import make_decoder
+from nano_miles.weights.named_tensors import has_adapters
 from nano_miles.wire.codec import WireError, position_of
 from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, decode_scored
@@ -65,7 +66,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.state = TrainerState()
         # LoRA: the base model a checkpoint's adapters belong to (hashed once, here)
-        self.base = lora.base_identity(cfg.model_dir) if lora.is_lora(model) else None
+        self.base = lora.base_identity(cfg.model_dir) if has_adapters(model) else None
         self.resume_from_checkpoint(split)
         self.saved_step = self.step  # the step of the newest checkpoint (0: the base model needs none)
         self.is_stop_requested = False
