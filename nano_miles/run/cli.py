@@ -50,10 +50,13 @@ def keep_last_line(name: str, line: str) -> None:
         pass
 
 
-def run(main: Callable[[list[str]], int | None], name: str, *, is_log_copied: bool = False) -> None:
+def run(main: Callable[[list[str]], int | None], name: str, *, is_log_copied: bool = False,
+        is_hard_exit: bool = False) -> None:
     """sys.exit(main(argv)); a UserError from anywhere in `main` ends as one line `name: message`
     on stderr and exit status 2. Any other exception is a bug and keeps its traceback (exit 1).
-    `is_log_copied`: the process keeps its own log in the run directory, which gets the line too."""
+    `is_log_copied`: the process keeps its own log in the run directory, which gets the line too.
+    `is_hard_exit`: leave without the interpreter's teardown (a rank of a sharded trainer: gloo's
+    destructors abort now and then at exit, which would replace the exit status)."""
     last = None
     try:
         code = main(sys.argv[1:])
@@ -67,4 +70,10 @@ def run(main: Callable[[list[str]], int | None], name: str, *, is_log_copied: bo
         code = 1
     if last is not None and is_log_copied:
         keep_last_line(name, last)
+    if is_hard_exit:
+        import logging
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
     sys.exit(code)

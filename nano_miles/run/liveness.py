@@ -42,7 +42,9 @@ def beat(waiting_for: str = "") -> None:
         return
     _last_s = now
     tmp = _path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "time": now, "waiting_for": waiting_for}))
+    # the pid supervisord knows the stage by: a sharded trainer's rank 0 beats for its launcher
+    pid = int(os.environ.get("NANOMILES_STAGE_PID", os.getpid()))
+    tmp.write_text(json.dumps({"pid": pid, "time": now, "waiting_for": waiting_for}))
     os.replace(tmp, _path)
 
 

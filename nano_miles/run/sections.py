@@ -16,6 +16,7 @@ from nano_miles.wire.control import PAUSE_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")  # what SGLang and torch both name so
 LOCAL_ENGINE_DTYPES = ("float32", "bfloat16")  # python -m nano_miles.local_engine --dtype
+STRATEGIES = ("single", "fsdp2")  # one process holding the whole model, or FSDP2 over trainer.world_size ranks
 TRAIN_DTYPES = ("float32", "bfloat16")  # the trainer's compute dtype; weights stay fp32 either way
 LR_SCHEDULES = ("constant", "cosine")
 # the names nano_miles/algo picks its functions by (tests/test_config.py holds them equal; the config
@@ -209,6 +210,9 @@ class TrainerConfig(Section):
     lora_alpha: float = checked(32.0, above(0))       # the adapters' scale is lora_alpha / lora_rank
     lora_dropout: float = checked(0.0, DROPOUT)  # dropout on the adapters' input
     lora_target_modules: list = checked(list(LORA_TARGETS), NAMES)  # the linear layers that get adapters
+    strategy: str = checked("single", one_of(*STRATEGIES))  # fsdp2: the model sharded over world_size
+                                                      # ranks under torch's elastic launcher (docs/scale-out.md)
+    world_size: int = checked(1, at_least(1))         # the trainer's processes, one per GPU (fsdp2)
     endpoint: str = checked("tcp://127.0.0.1:5703", ENDPOINT)  # PULL, bound by the trainer
     device: str = checked("cpu", DEVICE)
     num_threads: int = checked(1, at_least(1))
@@ -229,6 +233,12 @@ class TrainerConfig(Section):
         if self.lr_min > self.lr:
             raise ConfigError(f"trainer.lr_min ({self.lr_min:g}) is above trainer.lr ({self.lr:g}): the cosine "
                               "schedule decays from lr down to lr_min")
+        if self.world_size > 1 and self.strategy != "fsdp2":
+            raise ConfigError(f"trainer.world_size = {self.world_size} shards the model over that many processes: "
+                              "set trainer.strategy = \"fsdp2\" too")
+        if self.strategy == "fsdp2" and self.lora_rank:
+            raise ConfigError("trainer.lora_rank > 0 runs with trainer.strategy = \"single\"; LoRA adapters are "
+                              "not sharded over ranks yet")
         if self.scale_rewards != "group" and self.advantage != "grpo":
             raise ConfigError(f"trainer.scale_rewards={self.scale_rewards} is the grpo estimator's option; "
                               f"trainer.advantage={self.advantage} scales its own way: leave it at group")

@@ -100,19 +100,18 @@ class BroadcastSender:
             except (EngineError, OSError) as err:  # a restarted engine has no group: nothing to drop
                 log.info("destroy_weights_update_group on %s: %s", e.base_url, err)
 
-    def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
+    def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True,
+             named=None) -> dict[str, float]:
         """Send `model`'s weights tagged `version` to every engine; the caller paused generation.
-        `flush_cache` as in tensor_sender.push_weights."""
+        `flush_cache` and `named` as in tensor_sender.push_weights."""
         if self.group is None:
             self.init_group()
-        named = trainable_named_tensors(model)
-        if named and named[0][1].is_cuda:
+        named = trainable_named_tensors(model) if named is None else named
+        if next(model.parameters()).is_cuda:
             torch.cuda.synchronize()
-        buckets = list(split_into_buckets(named, self.max_bucket_bytes))
         t0 = time.perf_counter()
         try:
-            for i, bucket in enumerate(buckets):
-                is_last = i == len(buckets) - 1
+            for bucket, is_last in split_into_buckets(named, self.max_bucket_bytes):
                 body = {"names": [n for n, _ in bucket],
                         "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                         "shapes": [list(t.shape) for _, t in bucket],
@@ -122,6 +121,7 @@ class BroadcastSender:
                            for e in self.engines]
                 broadcast_from_rank0(self.group, [t.contiguous() for _, t in bucket])
                 self._wait_all(futures)
+                del bucket  # a gathered bucket goes before the next is gathered
         except (WeightTransportError, EngineError, OSError):
             self.close()  # a half-done update leaves the group out of step: build a new one next time
             raise

@@ -32,6 +32,11 @@ def has_adapters(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Are `model`'s parameters split over ranks (FSDP2's DTensors, `stages/trainer/sharded.py`)?"""
+    return hasattr(next(model.parameters()), "full_tensor")
+
+
 def trainable_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors an update sends: each parameter once, tied aliases left out; of a model with LoRA
     adapters (PEFT's), the base model's with the adapters merged in (the engine serves a plain model)."""
@@ -68,17 +73,19 @@ def merged_weight(layer) -> torch.Tensor:
     return w
 
 
-def split_into_buckets(named: list[tuple[str, torch.Tensor]], max_bucket_bytes: int):
+def split_into_buckets(named, max_bucket_bytes: int):
+    """(bucket, is_last) over (name, tensor) pairs, each bucket at most `max_bucket_bytes` unless one
+    tensor is larger; lazy: a generator of gathered tensors is read one bucket (and one tensor) ahead."""
     bucket, size = [], 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
         if bucket and size + nbytes > max_bucket_bytes:
-            yield bucket
+            yield bucket, False
             bucket, size = [], 0
         bucket.append((name, t))
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True
 
 
 # What a float parameter takes: torch can check these for finiteness on every device it loads from.

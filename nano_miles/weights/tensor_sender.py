@@ -45,19 +45,22 @@ def serialize_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def push_weights(client, model: torch.nn.Module, version: int, *,
-                 max_bucket_bytes: int = 512 << 20, flush_cache: bool = True) -> dict[str, float]:
+def push_weights(client, model: torch.nn.Module, version: int, *, max_bucket_bytes: int = 512 << 20,
+                 flush_cache: bool = True, named=None) -> dict[str, float]:
     """Send `model`'s weights to the engine behind `client` and tag them `version`.
 
     The caller pauses generation first. `flush_cache=False` when requests stay in the engine across
     the update (pause modes in_place and retract): SGLang cannot flush its prefix cache while requests
     hold KV, so such engines run without one (--disable-radix-cache). Returns the time split in seconds:
     gather (collect/cast tensors), serialize (build handles) and apply (the engine's answer).
+    `named`: the (name, tensor) pairs to send, when not `trainable_named_tensors(model)` (a sharded
+    model's, gathered as they are read).
     """
-    named = trainable_named_tensors(model)
-    if named and named[0][1].is_cuda:
+    named = trainable_named_tensors(model) if named is None else named
+    if next(model.parameters()).is_cuda:
         return _push_cuda_buckets(client, named, version, max_bucket_bytes, flush_cache)
     t0 = time.perf_counter()
+    named = list(named)  # one payload: a sharded model's whole weights on rank 0 (the CPU's small models)
     serialized = serialize_named_tensors(named)
     t1 = time.perf_counter()
     # `named` (and with it the shared segments) stays referenced until the engine has answered.
@@ -99,13 +102,17 @@ class TensorSender:
                     "%s, or the local engine): weights go through CUDA-IPC buckets (slower)", FLAT_LOADER)
         return "bucket"
 
-    def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True) -> dict[str, float]:
+    def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True,
+             named=None) -> dict[str, float]:
+        """`named` as in `push_weights`: a sharded model's gathered tensors, which go in buckets (the
+        flat buffer would keep the whole model on rank 0)."""
         if self.transport is None:
-            self.transport = self.choose_transport(model)
+            self.transport = self.choose_transport(model) if named is None else \
+                "bucket" if next(model.parameters()).is_cuda else "shared-memory"
             log.info("weight updates go through the %s transport", self.transport)
         if self.transport == "flat":
             return self.flat.push(model, version, flush_cache=flush_cache)
-        return push_weights(self.engine, model, version, flush_cache=flush_cache)
+        return push_weights(self.engine, model, version, flush_cache=flush_cache, named=named)
 
     def close(self) -> None:
         """Forget the transport: a restarted engine may have been started differently."""
@@ -128,24 +135,23 @@ def _push_cuda_buckets(client, named, version: int, max_bucket_bytes: int,
     if is_session:
         client.begin_weight_update()
     times = {"gather_s": 0.0, "serialize_s": 0.0, "apply_s": 0.0}
-    buckets = list(split_into_buckets(named, max_bucket_bytes))
-    for i, bucket in enumerate(buckets):
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    for bucket, is_last in split_into_buckets(named, max_bucket_bytes):  # a sharded model's: gathered here
         flat = FlattenedTensorBucket(named_tensors=bucket)
         torch.cuda.synchronize()  # the engine reads the buffer from another process
         t1 = time.perf_counter()
         payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
         serialized = MultiprocessingSerializer.serialize(payload, output_str=True)
         t2 = time.perf_counter()
-        is_last = i == len(buckets) - 1
         client.update_weights_from_tensor(
             [serialized], load_format="flattened_bucket", flush_cache=flush_cache and is_last,
             weight_version=version if is_last else None)
         t3 = time.perf_counter()
-        del payload, flat
+        del payload, flat, bucket  # a gathered bucket goes before the next is gathered
         times["gather_s"] += t1 - t0
         times["serialize_s"] += t2 - t1
         times["apply_s"] += t3 - t2
+        t0 = time.perf_counter()
     if is_session:
         client.end_weight_update()
     torch.cuda.ipc_collect()  # free sent buffers whose engine-side mappings are closed

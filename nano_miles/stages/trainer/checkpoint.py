@@ -12,6 +12,11 @@ each step trained or skipped, the run's identity, the train split's and token co
 `manifest.json`: the size and SHA-256 of every other file. It is written under a `.tmp` name, every
 file and the directory are fsynced, and only then is it renamed into place.
 
+A sharded trainer (`trainer.strategy = "fsdp2"`, `sharded.py`) writes the same model directory from
+one gather on rank 0, and the optimizer's state as `optimizer/`: torch.distributed.checkpoint's files,
+one per rank, which load into any number of ranks, one plain process included; its trainer_state.pt
+then holds no optimizer state. A one-process checkpoint loads into a sharded trainer too.
+
 A LoRA run's checkpoint holds PEFT's adapter directory (adapter_config.json, adapter_model.safetensors)
 instead of the model's weights, and `lora_base.json`: the base model's path and SHA-256, checked again
 at every load (`lora.py`).
@@ -43,7 +48,8 @@ log = logging.getLogger("trainer")
 STATE_FILE = "trainer_state.pt"
 BASE_FILE = "lora_base.json"  # a LoRA checkpoint's: the base model its adapters were trained on (path, SHA-256)
 MANIFEST = "manifest.json"
-TRAINER_FILES = (STATE_FILE, MANIFEST, BASE_FILE)  # what a checkpoint holds beyond the HF model directory
+OPTIMIZER_DIR = "optimizer"  # a sharded trainer's optimizer state, each rank's part (torch.distributed.checkpoint)
+TRAINER_FILES = (STATE_FILE, MANIFEST, BASE_FILE, OPTIMIZER_DIR)  # what a checkpoint holds beyond the HF model directory
 KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
 
 
@@ -129,22 +135,32 @@ def verify(directory: Path, *, checksums: bool = True) -> None:
             raise DamagedCheckpoint(f"{directory.name}: {name} does not match its SHA-256 in the manifest")
 
 
-def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, base: dict | None = None) -> Path:
+def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, base: dict | None = None, *,
+                    save=None) -> Path:
     """`learner`: what holds the optimizer and the schedule (`learner.Learner`; its `state_dict`);
-    `base`: a LoRA model's base (`lora.base_identity`), which the checkpoint names instead of holding."""
+    `base`: a LoRA model's base (`lora.base_identity`), which the checkpoint names instead of holding;
+    `save(directory) -> learner state`: writes the model's files when every rank takes part
+    (`sharded.Work.save`), instead of `model.save_pretrained` here."""
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
+    if save is None:
+        model.save_pretrained(tmp)
+        kept = learner.state_dict()
+    else:
+        kept = save(tmp)
     tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
-    torch.save({**learner.state_dict(), **state.saved()}, tmp / STATE_FILE)
+    torch.save({**kept, **state.saved()}, tmp / STATE_FILE)
     if base:
         (tmp / BASE_FILE).write_text(json.dumps(base))
     _write_manifest(tmp)  # last: its presence says every file before it was written whole
-    for p in tmp.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+    for p in tmp.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(p)
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again after a restart: replace it whole
         shutil.rmtree(final)
@@ -175,12 +191,14 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return complete
 
 
-def load_newest(root: Path, model, learner, base: dict | None = None) -> tuple[Path, TrainerState] | None:
-    """Load the newest checkpoint that verifies in full; damaged ones are skipped with a warning."""
+def load_newest(root: Path, model, learner, base: dict | None = None, *,
+                load=None) -> tuple[Path, TrainerState] | None:
+    """Load the newest checkpoint that verifies in full; damaged ones are skipped with a warning.
+    `load` as in `load_checkpoint`."""
     for path in reversed(_checkpoint_dirs(root)):
         try:
             verify(path)
-            return path, load_checkpoint(path, model, learner, base)
+            return path, load_checkpoint(path, model, learner, base, load=load)
         except (DamagedCheckpoint, OSError, RuntimeError, ValueError, KeyError) as e:
             log.warning("skipping checkpoint %s: %s", path, e)
     return None
@@ -207,12 +225,13 @@ def find_checkpoint(path: Path, what: str) -> Path:
     raise UserError(f"{what} {str(path)!r} holds no checkpoint that verifies")
 
 
-def load_resume_from(path: Path, model, learner, base: dict | None = None) -> tuple[Path, TrainerState]:
+def load_resume_from(path: Path, model, learner, base: dict | None = None, *,
+                     load=None) -> tuple[Path, TrainerState]:
     """The checkpoint `trainer.resume_from` names, loaded (see `find_checkpoint`); one of an older
     format, or of another model, is a UserError naming it."""
     found = find_checkpoint(path, "trainer.resume_from")
     try:
-        return found, load_checkpoint(found, model, learner, base)
+        return found, load_checkpoint(found, model, learner, base, load=load)
     except OlderCheckpoint as e:
         raise UserError(f"trainer.resume_from {str(found)!r}: {e}; its weights alone can start a new run: "
                         f"--model.path={found}") from None
@@ -225,12 +244,15 @@ def lora_base(path: Path) -> dict | None:
     return json.loads((path / BASE_FILE).read_text()) if (path / BASE_FILE).is_file() else None
 
 
-def load_checkpoint(path: Path, model, learner, base: dict | None = None) -> TrainerState:
+def load_checkpoint(path: Path, model, learner, base: dict | None = None, *, load=None) -> TrainerState:
     """Load weights (a LoRA model's: its adapters, onto the `base` the checkpoint names), optimizer and
     schedule state into the given objects; return the counters. The state is read and checked first:
-    one this trainer cannot continue leaves the model untouched."""
+    one this trainer cannot continue leaves the model untouched. `load(path)`: loads them when every
+    rank takes part (`sharded.Work.load`)."""
     saved = torch.load(path / STATE_FILE, weights_only=True)
-    missing = [k for k in (*learner.state_dict(), *(f.name for f in fields(TrainerState))) if k not in saved]
+    has_shards = (path / OPTIMIZER_DIR).is_dir()  # the optimizer's state is there, not in the state file
+    missing = [k for k in (*learner.state_dict(), *(f.name for f in fields(TrainerState)))
+               if k not in saved and not (k == "optimizer" and has_shards)]
     if missing:
         raise OlderCheckpoint(f"written by an older nano-miles: its {STATE_FILE} has no {', '.join(missing)}")
     named = lora_base(path)
@@ -240,9 +262,12 @@ def load_checkpoint(path: Path, model, learner, base: dict | None = None) -> Tra
     if base and named["sha256"] != base["sha256"]:
         raise WeightUpdateError(f"its adapters were trained on the base model {named['path']} "
                                 f"(SHA-256 {named['sha256'][:12]}), not this one ({base['path']}, {base['sha256'][:12]})")
-    if base:
+    if load is not None:
+        load(path)
+    elif base:
         load_adapters(model, path)
+        learner.load_state_dict(saved)
     else:
         load_safetensors_dir(model, str(path))
-    learner.load_state_dict(saved)
+        learner.load_state_dict(saved)
     return TrainerState.from_saved(saved)

@@ -34,6 +34,7 @@ import resource
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from nano_miles.algo import advantages as estimators
 from nano_miles.algo.diagnostics import LearnResult, LossDiagnostics
 from nano_miles.algo.grpo import TokenBatch, assemble_batch, micro_batches, token_scores
 from nano_miles.algo.loss import LossConfig, StepTotals, kl_terms, policy_loss, truncated_is_weights, unusable_logprobs
-from nano_miles.stages.trainer import packed_attention
+from nano_miles.stages.trainer import packed_attention, sharded
 from nano_miles.weights.named_tensors import has_adapters
 
 TRUNCATED = "truncated"  # why a sample trains no token: cut at max_new_tokens, with trainer.mask_truncated
@@ -118,18 +119,6 @@ class Learner:
         self.model, self.pad_id, self.temperature = model, pad_id, temperature
         self.device = next(model.parameters()).device
         on_gpu = self.device.type == "cuda"
-        # fused: one kernel for the whole update on a GPU; the CPU keeps the default (its numbers unchanged)
-        self.trained = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA model's adapters
-        self.optimizer = torch.optim.AdamW(self.trained, lr=t.lr, weight_decay=t.weight_decay,
-                                           **({"fused": True} if on_gpu else {}))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, t.lr_warmup_steps, t.lr_schedule, t.num_steps,
-                                                   t.lr_min / t.lr if t.lr > 0 else 0.0))
-        self.kl_in_loss = t.kl_coef if t.kl_in == "loss" else 0.0
-        self.loss_cfg = LossConfig(name=t.loss, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
-                                   dual_clip_c=t.dual_clip_c, max_new_tokens=max_new_tokens,
-                                   kl_coef=self.kl_in_loss, kl_estimator=t.kl_estimator,
-                                   entropy_coef=t.entropy_coef)
         if t.gradient_checkpointing and hasattr(model, "activation_checkpointing_enable"):  # the newer name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         elif t.gradient_checkpointing:
@@ -143,8 +132,28 @@ class Learner:
         self.reference = None
         if t.kl_coef > 0 and not has_adapters(model):
             self.reference = copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
+        # trainer.strategy = fsdp2: this rank keeps its rows of every parameter (and of the reference's),
+        # trains its share of each optimizer step's micro-batches, and FSDP averages the gradients
+        self.rank, self.world = sharded.rank_and_world() if t.strategy == "fsdp2" else (0, 1)
+        if t.strategy == "fsdp2":
+            sharded.shard(model)
+            if self.reference is not None:
+                sharded.shard(self.reference)
         if t.compile and on_gpu:  # after the reference's copy: a compiled layer's call is bound to its module
             compile_layers(model)
+        # after sharding, which replaces the parameters; fused: one kernel for the whole update on a GPU,
+        # the CPU keeps the default (its numbers unchanged)
+        self.trained = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA model's adapters
+        self.optimizer = torch.optim.AdamW(self.trained, lr=t.lr, weight_decay=t.weight_decay,
+                                           **({"fused": True} if on_gpu else {}))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, t.lr_warmup_steps, t.lr_schedule, t.num_steps,
+                                                   t.lr_min / t.lr if t.lr > 0 else 0.0))
+        self.kl_in_loss = t.kl_coef if t.kl_in == "loss" else 0.0
+        self.loss_cfg = LossConfig(name=t.loss, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
+                                   dual_clip_c=t.dual_clip_c, max_new_tokens=max_new_tokens,
+                                   kl_coef=self.kl_in_loss, kl_estimator=t.kl_estimator,
+                                   entropy_coef=t.entropy_coef)
 
     def autocast(self):
         if self.cfg.dtype == "float32":
@@ -153,24 +162,36 @@ class Learner:
 
     # ------------------------------------------------------------------ state in checkpoints
     def state_dict(self) -> dict:
+        """What the trainer state file keeps; a sharded optimizer's state is saved by every rank
+        (`sharded.save_weights`), not here."""
+        if self.cfg.strategy == "fsdp2":
+            return {"lr_schedule": self.scheduler.state_dict()}
         return {"optimizer": self.optimizer.state_dict(), "lr_schedule": self.scheduler.state_dict()}
 
-    def load_state_dict(self, saved: dict) -> None:
-        self.optimizer.load_state_dict(saved["optimizer"])
+    def load_state_dict(self, saved: dict, directory=None) -> None:
+        """`saved`: a trainer state file's; `directory`: its checkpoint, where a sharded optimizer's state is."""
+        if "optimizer" in saved and self.cfg.strategy != "fsdp2":
+            self.optimizer.load_state_dict(saved["optimizer"])
+        else:
+            sharded.load_optimizer(self.model, self.optimizer, Path(directory), saved)
         self.scheduler.load_state_dict(saved["lr_schedule"])
 
     # ------------------------------------------------------------------ the step
     def step(self, samples: list[TrainSample]) -> tuple[LearnResult, np.ndarray]:
-        """Train on a rollout batch: (what the step did, each sample's advantage as float32)."""
+        """Train on a rollout batch: (what the step did, each sample's advantage as float32). Sharded,
+        every rank is given the whole batch and plans it alike; each trains its share of every
+        optimizer step's micro-batches, and the result is the whole step's on every rank."""
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         rows, dropped = self.trainable(samples)
         lengths = [len(s.prompt) + len(s.response) - 1 for s in samples]
         self.model.train()
-        plan = [[self.prepare(samples, [share[i] for i in idx])
+        plan = [[self.assemble_part(samples, [share[i] for i in idx])
                  for idx in micro_batches([lengths[r] for r in share], self.cfg.micro_batch_tokens)]
                 for share in shares(rows, self.cfg.mini_batches)]
+        for share in plan:
+            self.prepare(share)
         parts = [part for share in plan for part in share]
         advantages = self.advantages(samples, parts)
         for part in parts:
@@ -187,11 +208,15 @@ class Learner:
                 else:
                     num_skipped += 1
             if self.cfg.num_iterations > 1:
-                kl_old.append(self.kl_to_old(parts))
+                kl_old.append(self.kl_to_old(plan))
         lr = self.optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():  # every optimizer step of this one may have been skipped: still a step
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             self.scheduler.step()
+        # each rank measured its own micro-batches: the step's figures are over all of them
+        losses = sharded.all_sum(torch.tensor(losses, dtype=torch.float64)).tolist() if self.world > 1 else losses
+        measured, first_pass = sharded.all_items(measured), sharded.all_items(first_pass)
+        weights = sharded.all_items([p.is_weights[p.batch.loss_mask].cpu() for p in parts if p.is_weights is not None])
         elapsed = time.perf_counter() - started
         means = LossDiagnostics.token_mean(measured)
         means.parity = LossDiagnostics.token_mean(first_pass).parity  # before any update: the engine's gap
@@ -202,7 +227,6 @@ class Learner:
             num_skipped_steps=num_skipped, dropped_samples=dropped, kl_old=kl_old,
             peak_memory_mb=peak_memory_mb(self.device),
             train_tokens_per_s=self.cfg.num_iterations * sum(p.batch.packing.num_tokens for p in parts) / elapsed)
-        weights = [p.is_weights[p.batch.loss_mask] for p in parts if p.is_weights is not None]
         if weights:
             w = torch.cat(weights)
             result.is_weight_mean, result.is_weight_max = float(w.mean()), float(w.max())
@@ -221,26 +245,45 @@ class Learner:
                 dropped[reason] = dropped.get(reason, 0) + 1
         return rows, dropped
 
-    def prepare(self, samples: list[TrainSample], rows: list[int]) -> Part:
-        """A micro-batch's tokens, pi_old and reference log-probs, before any update."""
+    def mine(self, share: list[Part]) -> list[Part | None]:
+        """This rank's micro-batches of an optimizer step's share, then None for each pass it makes
+        without one: FSDP gathers and reduces on every pass, so every rank makes as many."""
+        own = share[self.rank::self.world]
+        return own + [None] * (-(-len(share) // self.world) - len(own))
+
+    def assemble_part(self, samples: list[TrainSample], rows: list[int]) -> Part:
+        """A micro-batch's tokens; pi_old the engine's until `prepare`."""
         chosen = [samples[i] for i in rows]
         batch = self.assemble(chosen, [0.0] * len(chosen))
-        old_logp, weights, ref_logp = batch.old_logprobs, None, None
+        return Part(rows, batch, batch.old_logprobs, None, None)
+
+    def prepare(self, share: list[Part]) -> None:
+        """pi_old and the reference's log-probs of this rank's micro-batches, before any update."""
+        if not (self.cfg.recompute_old_logprobs or self.cfg.kl_coef > 0):
+            return
         with torch.no_grad(), self.autocast():
-            if self.cfg.recompute_old_logprobs:
-                old_logp = self.logprobs(self.model, batch)
-                weights = truncated_is_weights(old_logp, batch.old_logprobs, batch.loss_mask, self.cfg.tis_clip)
-            if self.cfg.kl_coef > 0:
-                ref_logp = self.reference_logprobs(batch)
-        return Part(rows, batch, old_logp, weights, ref_logp)
+            for part in self.mine(share):
+                p = part or share[0]  # a pass without a micro-batch of its own: its result is not kept
+                old_logp, weights, ref_logp = p.batch.old_logprobs, None, None
+                if self.cfg.recompute_old_logprobs:
+                    old_logp = self.logprobs(self.model, p.batch)
+                    weights = truncated_is_weights(old_logp, p.batch.old_logprobs, p.batch.loss_mask,
+                                                   self.cfg.tis_clip)
+                if self.cfg.kl_coef > 0:
+                    ref_logp = self.reference_logprobs(p.batch)
+                if part is not None:
+                    part.old_logp, part.is_weights, part.ref_logp = old_logp, weights, ref_logp
 
     def advantages(self, samples: list[TrainSample], parts: list[Part]) -> np.ndarray:
         """Each sample's advantage, from its group's rewards (less the KL penalty with kl_in = reward)."""
         rewards = np.array([s.reward for s in samples], np.float64)  # float32 values (the wire's), exactly
         if self.cfg.kl_coef > 0 and self.cfg.kl_in == "reward":
+            kl = torch.zeros(len(samples), dtype=torch.float64)
             for p in parts:  # KL of the behaviour policy to the reference, summed over each response
-                kl = kl_terms(p.old_logp, p.ref_logp, p.batch.loss_mask, self.cfg.kl_estimator).sum(dim=1)
-                rewards[p.rows] -= self.cfg.kl_coef * kl.double().cpu().numpy()
+                if p.ref_logp is not None:  # measured by this rank
+                    kl[p.rows] = kl_terms(p.old_logp, p.ref_logp, p.batch.loss_mask,
+                                          self.cfg.kl_estimator).sum(dim=1).double().cpu()
+            rewards -= self.cfg.kl_coef * sharded.all_sum(kl).numpy()
         groups = sorted({s.group for s in samples})
         members = [[i for i, s in enumerate(samples) if s.group == g] for g in groups]
         out = np.zeros(len(samples), np.float32)
@@ -250,13 +293,17 @@ class Learner:
         return out
 
     def update(self, share: list[Part], measured: list, first_pass: list | None) -> tuple[float, float]:
-        """One optimizer step on a share of the samples: (its loss, its gradient norm before clipping;
-        not finite: the step was skipped)."""
+        """One optimizer step on a share of the samples: (this rank's part of its loss, its gradient
+        norm before clipping; not finite: the step was skipped)."""
         totals = StepTotals(num_tokens=sum(p.batch.num_tokens for p in share),
                             num_samples=sum(p.batch.num_samples for p in share))
         self.optimizer.zero_grad(set_to_none=True)
         outputs = []
-        for p in share:  # nothing here waits for the device: its measurements are read after the step
+        for p in self.mine(share):  # nothing here waits for the device: its measurements are read after the step
+            if p is None:  # a pass that trains nothing: FSDP's gathers and reductions, gradients 0
+                with self.autocast():
+                    (self.logprobs(self.model, share[0].batch).sum() * 0.0).backward()
+                continue
             b = p.batch
             with self.autocast():
                 logp, entropy = token_scores(self.model, b.input_ids, b.targets, b.attention_mask, self.temperature,
@@ -266,14 +313,16 @@ class Learner:
                 out = policy_loss(logp, p.old_logp, b.advantages, b.loss_mask, self.loss_cfg, totals,
                                   engine_logp=b.old_logprobs, is_weights=p.is_weights, ref_logp=p.ref_logp,
                                   entropy=entropy)
-            out.loss.backward()  # divided by the share's totals: the micro-batches' gradients add up
+            # divided by the share's totals: the micro-batches' gradients add up; FSDP averages over
+            # the ranks, so each rank's sum counts world times
+            (out.loss * self.world if self.world > 1 else out.loss).backward()
             outputs.append(out)
         norm = float(torch.nn.utils.clip_grad_norm_(self.trained, self.cfg.max_grad_norm))
         if math.isfinite(norm):
             self.optimizer.step()
         else:  # a NaN or inf gradient never reaches the weights (nor, so, an engine)
             self.optimizer.zero_grad(set_to_none=True)
-        losses = torch.stack([out.loss.detach() for out in outputs]).tolist()
+        losses = torch.stack([out.loss.detach() for out in outputs]).tolist() if outputs else []
         for out in outputs:
             measured.append((out.means, out.num_tokens))
             if first_pass is not None:
@@ -281,14 +330,18 @@ class Learner:
         loss = sum(losses)
         return loss, norm
 
-    def kl_to_old(self, parts: list[Part]) -> float:
+    def kl_to_old(self, plan: list[list[Part]]) -> float:
         """KL(pi_old || pi) per response token after a pass (k3 on the samples pi_old drew)."""
         total, count = 0.0, 0
         with torch.no_grad(), self.autocast():
-            for p in parts:
-                logp = self.logprobs(self.model, p.batch)
-                total += float(kl_terms(p.old_logp, logp, p.batch.loss_mask, "k3").sum())
-                count += p.batch.num_tokens
+            for share in plan:
+                for part in self.mine(share):
+                    p = part or share[0]
+                    logp = self.logprobs(self.model, p.batch)
+                    if part is not None:
+                        total += float(kl_terms(p.old_logp, logp, p.batch.loss_mask, "k3").sum())
+                        count += p.batch.num_tokens
+        total, count = sharded.all_sum(torch.tensor([total, count], dtype=torch.float64)).tolist()
         return total / max(1, count)
 
     def assemble(self, samples: list[TrainSample], advantages) -> TokenBatch:

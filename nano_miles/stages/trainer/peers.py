@@ -11,6 +11,7 @@ Library module used by the step loop (`step_loop.py`). Every call here survives 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -48,7 +49,7 @@ class Peers:
     def __init__(self, cfg: Config, ctx: zmq.Context, durable_state: Callable[[], RestoreState], *,
                  run_id: str, on_producer_restart: Callable[[], None] = lambda: None,
                  on_restored: Callable[[ProducerStatus], None] = lambda status: None,
-                 is_stopping: Callable[[], bool] = lambda: False):
+                 is_stopping: Callable[[], bool] = lambda: False, gather: Callable | None = None):
         t = cfg.trainer
         self.cfg = cfg
         self.engine = make_engine(cfg.engine)  # several engines: control calls reach each one
@@ -59,6 +60,7 @@ class Peers:
         self.on_producer_restart = on_producer_restart
         self.on_restored = on_restored      # the producer's reply to `restore`, its whole ledger of drops
         self.is_stopping = is_stopping      # the trainer is stopping: no wait for a peer
+        self.gather = gather                # a sharded model's (name, full tensor) pairs, all ranks in step
         self.version = -1                   # what the engine serves, as far as we know
         self.producer: ProducerStatus | None = None  # from the producer's last reply
         self.update_split_ms: dict[str, float] = {}
@@ -154,7 +156,11 @@ class Peers:
         t1 = time.perf_counter()
         # kept requests hold KV: SGLang cannot flush then; an engine without a prefix cache never needs to
         flush_cache = (is_idle or not keeps_requests(mode)) and has_prefix_cache(self.engine)
-        push = self.sender.push(model, version, flush_cache=flush_cache)
+        if self.gather is None:
+            push = self.sender.push(model, version, flush_cache=flush_cache)
+        else:  # closed even when the push fails: the other ranks finish the gathers with this one
+            with contextlib.closing(self.gather(model)) as named:
+                push = self.sender.push(model, version, flush_cache=flush_cache, named=named)
         t2 = time.perf_counter()
         if not is_idle:
             self.engine.resume()

@@ -28,7 +28,6 @@ import zmq
 from nano_miles.algo import admission
 from nano_miles.algo.advantages import has_signal
 from nano_miles.algo.diagnostics import StepStats
-from nano_miles.algo.grpo import token_logprobs
 from nano_miles.observe.metrics import TrainerMetrics
 from nano_miles.observe.run_record import (RunRecord, StepRecord, format_step_line, ledger_report, step_phases,
                                            summarize)
@@ -40,8 +39,10 @@ from nano_miles.stages.trainer import lora
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
 from nano_miles.stages.trainer.learner import Learner, TrainSample
 from nano_miles.stages.trainer.peers import Peers
+from nano_miles.stages.trainer.ranks import Ranks
+from nano_miles.stages.trainer.sharded import Work, gathered_named_tensors
 from nano_miles.tasks.prompts import make_decoder
-from nano_miles.weights.named_tensors import has_adapters
+from nano_miles.weights.named_tensors import has_adapters, is_sharded
 from nano_miles.wire.codec import WireError, position_of
 from nano_miles.wire.control import NO_SIGNAL, ProducerStatus, RestoreState
 from nano_miles.wire.data import RolloutGroup, ScoredGroup, decode_scored
@@ -54,13 +55,17 @@ CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, split: dict):
-        """`split`: `nano_miles.tasks.split_identity` of the train split the group ids number."""
+    def __init__(self, cfg: Config, ctx: zmq.Context, model, tokenizer, evaluator, split: dict, *,
+                 world: int = 1, group=None):
+        """`split`: `nano_miles.tasks.split_identity` of the train split the group ids number; `world`,
+        `group`: the trainer's ranks and their command group (`ranks.join`), when this is rank 0 of several."""
         self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
         # before a checkpoint is loaded
         self.learner = Learner(t, model, pad_id, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        # what needs the whole model goes through here: with several ranks, each takes part
+        self.ranks = Ranks(Work(model, self.learner), 0, world, group)
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
         self.max_staleness = cfg.run.effective_max_staleness
         self.run_dir = cfg.run_dir
@@ -73,9 +78,13 @@ class Trainer:
         self.trained_ids: set[str] = self.state.trained_ids
         self.num_items = split["num_items"]  # group ids <-> dataset positions
         self.metrics = TrainerMetrics(cfg, version=lambda: self.state.version)
+        # a sharded model's push: every rank gathers each tensor in turn (in the engine's dtype on a GPU)
+        dtype = getattr(torch, cfg.engine.dtype) if self.learner.device.type == "cuda" else None
         self.peers = Peers(cfg, ctx, self.durable_state, run_id=self.state.run_id,
                            on_producer_restart=lambda: self.metrics.restarts.labels("rollout").inc(),
-                           on_restored=self.adopt_no_signal, is_stopping=lambda: self.is_stop_requested)
+                           on_restored=self.adopt_no_signal, is_stopping=lambda: self.is_stop_requested,
+                           gather=(lambda m: gathered_named_tensors(m, self.ranks.tell, dtype)) if is_sharded(model)
+                           else None)
         self.dropped: dict[str, int] = {}  # id -> newest attempt refused since the last commit: re-issued
         self.unreported_no_signal: list[str] = []  # consumed untrained since the last commit
         self.drops: dict[str, int] = {}
@@ -161,7 +170,8 @@ class Trainer:
     def checkpoint(self) -> None:
         """Save the state after the last step trained, unless the newest checkpoint holds it already."""
         if self.step != self.saved_step:
-            save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state, self.base)
+            save_checkpoint(self.run_dir / "checkpoints", self.model, self.tokenizer, self.learner, self.state, self.base,
+                            save=lambda directory: self.ranks.together("save", str(directory)))
             self.saved_step = self.step
 
     def request_stop(self) -> None:  # SIGTERM's handler: a flag, read where stopping is safe
@@ -177,10 +187,14 @@ class Trainer:
         (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
         start. So a restarted trainer always picks up its own newest step, never resume_from again.
         A checkpoint made under another train split is refused (`refuse_another_split`)."""
-        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner, self.base)
+        def load(path: Path) -> None:
+            self.ranks.together("load", str(path), self.base)
+
+        loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner, self.base, load=load)
         is_continued = loaded is None and bool(self.cfg.trainer.resume_from)
         if is_continued:
-            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner, self.base)
+            loaded = load_resume_from(Path(self.cfg.trainer.resume_from), self.model, self.learner, self.base,
+                                      load=load)
         if loaded is not None:
             path, self.state = loaded
             refuse_another_split(self.state.split, split, path)
@@ -327,7 +341,7 @@ class Trainer:
         samples = [TrainSample(sg.group.prompt_tokens, sample.response_tokens, sample.logprobs, float(reward), g,
                                sample.finish_reason, sample.model_mask)
                    for g, sg in enumerate(groups) for sample, reward in zip(sg.group.samples, sg.rewards)]
-        result, advantages = self.learner.step(samples)
+        result, advantages = self.ranks.together("step", samples)
         if result.num_skipped_steps:
             log.warning("step %d: %d optimizer step(s) skipped, gradient norm not finite; the weights are "
                         "those of before them", self.step, result.num_skipped_steps)
@@ -353,10 +367,7 @@ class Trainer:
         """max |log p| gap between the engine's prefill scores and this model on one probe sample:
         the served weights must be exactly the trained ones at the end."""
         probe = list(range(3, 40))
-        ids = torch.tensor([probe], device=next(self.model.parameters()).device)
-        with torch.no_grad():
-            self.model.eval()
-            mine = token_logprobs(self.model, ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, :-1]))[0].cpu()
+        mine = self.ranks.together("probe", probe)
         served = self.peers.with_engine("final check", lambda: self.peers.engine.score(probe[:1], probe[1:]))
         return float((torch.tensor(served) - mine).abs().max())
 

@@ -1,0 +1,118 @@
+"""The trainer as several processes (`trainer.strategy = "fsdp2"`): starting them, and rank 0 telling the others.
+
+Library module used by `procs/trainer.py`. supervisord starts one trainer program, as always; with
+fsdp2 that process becomes the launcher (`launch`): torch's elastic agent, as `torchrun --standalone
+--nproc-per-node N` runs it, started in-process so the program still exits 0 / 2 / 143 as the stage
+contract says (the torchrun command maps every failure of a rank to 1). Each rank runs
+`procs/trainer.py` again with torchrun's environment (RANK, WORLD_SIZE, ...).
+
+Rank 0 is the stage: it pulls batches, talks to the producer and the engines, writes checkpoints and
+metrics. The other ranks hold their shards of the model and wait for rank 0 to name the next thing
+all ranks do together (`Ranks.together`: a step, a weight push, a checkpoint, a load, a probe). The
+names travel over a gloo group of their own with a long timeout: rank 0 may wait minutes for data
+while the others wait for its next word, and the model's collectives (NCCL on GPUs, with its
+watchdog) are never left waiting that long.
+
+A rank that dies ends the program: the agent stops the others (SIGTERM, SIGKILL after
+SHUTDOWN_TIMEOUT_S) and the launcher exits 1; supervisord starts it again and it resumes from its
+checkpoint. Ranks other than 0 ignore SIGTERM: rank 0 stops them once its last step is checkpointed
+(which needs them), and a rank 0 that is gone closes their group, which ends them at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+from datetime import timedelta
+
+log = logging.getLogger("trainer")
+
+COMMAND_TIMEOUT = timedelta(hours=2)  # the longest rank 0 may spend alone: pulls (900 s), peers (600 s), saves
+SHUTDOWN_TIMEOUT_S = 50  # after SIGTERM: the last step's checkpoint, below supervisord's stopwaitsecs (60)
+EXIT = "exit"
+
+
+def is_launcher(strategy: str) -> bool:
+    """Is this process the one supervisord started for an fsdp2 trainer (not yet one of its ranks)?"""
+    return strategy == "fsdp2" and "RANK" not in os.environ
+
+
+def launch(script: str, argv: list[str], world_size: int) -> int:
+    """Run `script argv` as `world_size` ranks on this host; the program's exit code: rank 0's when it
+    refused (2) or finished (0), 143 after SIGTERM, 1 when a rank failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # --standalone: a free port
+                          max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(script, *argv)
+        return 0
+    except ChildFailedError as e:
+        code = {f.local_rank: f.exitcode for f in e.failures.values()}.get(0, 1)
+        return code if code > 0 else 1  # rank 0's own exit (2, 143), else: a rank died
+    except SignalException as e:
+        return 128 + e.sigval
+
+
+class Ranks:
+    """This process's place among the trainer's ranks, and what they do together (`work`: an object
+    every rank builds alike; a command is the name of one of its methods)."""
+
+    def __init__(self, work, rank: int = 0, world: int = 1, group=None):
+        self.work, self.rank, self.world, self.group = work, rank, world, group
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def tell(self, command: str, *args) -> None:
+        """Rank 0: name what the other ranks do next (they do it as soon as they hear it)."""
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.broadcast_object_list([(command, args)], src=0, group=self.group)
+
+    def together(self, command: str, *args):
+        """Rank 0: every rank runs `work.<command>(*args)`; this rank's result."""
+        self.tell(command, *args)
+        return getattr(self.work, command)(*args)
+
+    def serve(self) -> int:
+        """A rank other than 0: do what rank 0 names until it says `exit`; its exit code."""
+        import torch.distributed as dist
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0, group=self.group)
+            command, args = message[0]
+            if command == EXIT:
+                return args[0]
+            try:
+                getattr(self.work, command)(*args)
+            except self.work.RETRIED as e:  # rank 0 met it too, and tries something else next
+                log.warning("%s failed on rank %d: %s", command, self.rank, e)
+
+    def finish(self, code: int) -> None:
+        """Rank 0, leaving: the other ranks leave with `code`."""
+        self.tell(EXIT, code)
+
+
+def join(device: str) -> tuple[int, int, object]:
+    """Join the ranks torchrun's environment names: (rank, world size, the command group). The model's
+    collectives use the default group: NCCL when the trainer is on a GPU, gloo on the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the ranks stop
+    is_cuda = device.startswith("cuda")
+    if is_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if is_cuda else "gloo")
+    return rank, world, dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)

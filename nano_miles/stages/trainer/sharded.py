@@ -1,0 +1,195 @@
+"""The policy split over the trainer's ranks (FSDP2), and the work every rank does together.
+
+Library module used by the learner (sharding, the sums over ranks), the step loop (`Work`, through
+`ranks.Ranks.together`) and the peers (`gathered_named_tensors`, a weight push).
+
+* `shard`: `fully_shard` on each decoder layer (the classes transformers keeps whole,
+  `_no_split_modules`), then on the root, which keeps the embeddings, the final norm and a tied head
+  together. Every parameter becomes a DTensor holding this rank's rows.
+* A weight push gathers one full tensor at a time (`gathered_named_tensors`); rank 0 hands them to the
+  engine's transport in buckets and the other ranks drop each one at once, so no rank holds more than
+  a bucket beyond its shard.
+* A checkpoint keeps the full weights as a Hugging Face directory (rank 0 writes it from one gather:
+  export and SGLang take it as it is) and the optimizer's state with torch.distributed.checkpoint
+  under `optimizer/`, each rank writing its own shard; both load into any number of ranks, one
+  plain process included.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from nano_miles.stages.trainer.checkpoint import OPTIMIZER_DIR, STATE_FILE
+from nano_miles.weights.named_tensors import (WeightUpdateError, is_sharded, load_safetensors_dir, plan_copy,
+                                              read_safetensors_dir, tied_names)
+
+log = logging.getLogger("trainer")
+
+
+
+def rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """fully_shard each decoder layer, then the root."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    # transformers' forward returns views of its outputs; nothing here changes them in place
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor", UserWarning)
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    for layer in [m for m in model.modules() if type(m).__name__ in kinds]:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Back to this rank's rows: a forward pass without a backward (no_grad) leaves the root unit's
+    parameters gathered in full, as plain tensors."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over the ranks (the same on every rank); itself on one."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values)
+    return values
+
+
+def all_items(items: list) -> list:
+    """Every rank's `items` (small, picklable), rank by rank; `items` itself on one rank."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return items
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return [x for rank_items in out for x in rank_items]
+
+
+def gathered_named_tensors(model: torch.nn.Module, tell=None, dtype: torch.dtype | None = None):
+    """(name, full tensor) for every parameter of a sharded model, tied aliases once, each gathered
+    from all ranks as it is asked for (cast to `dtype` first: less to move). Every rank must walk all
+    of them: `tell` (rank 0's `Ranks.tell`) has the others start their walk; closed early (the
+    engine failed mid-push), rank 0 still takes part in the gathers left, so the ranks stay in step."""
+    if tell is not None:
+        tell("push")
+    reshard(model)
+    params = list(model.named_parameters())
+    done = 0
+    try:
+        for name, p in params:
+            full = p.detach().to(dtype or p.dtype).full_tensor()
+            done += 1
+            yield name, full
+    finally:
+        for _, p in params[done:]:
+            p.detach().to(dtype or p.dtype).full_tensor()
+
+
+def save_weights(model: torch.nn.Module, optimizer, directory: Path, is_leader: bool) -> None:
+    """Every rank: the full weights (rank 0 writes the HF files) and each rank's optimizer shard."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    reshard(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_leader:
+        skip = tied_names(model)
+        model.save_pretrained(directory, state_dict={k: v for k, v in full.items() if k not in skip})
+    del full
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory / OPTIMIZER_DIR)
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Every rank: the checkpoint's full weights, each rank keeping its rows; checked first (names,
+    shapes, finite values: a WeightUpdateError leaves the model as it was)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    named = read_safetensors_dir(str(directory))
+    plan_copy(model, named)
+    set_model_state_dict(model, dict(named), options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def load_optimizer(model: torch.nn.Module, optimizer, directory: Path, saved: dict) -> None:
+    """The optimizer's state from a checkpoint: its sharded `optimizer/` (any world size, one plain
+    process included), or a one-process checkpoint's `saved["optimizer"]` (torch's format, parameters by
+    position) onto this rank's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    if (directory / OPTIMIZER_DIR).is_dir():
+        import torch.distributed.checkpoint as dcp
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # this layout's template
+        dcp.load(state, checkpoint_id=directory / OPTIMIZER_DIR)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        return
+    if "optimizer" not in saved:
+        raise WeightUpdateError(f"no optimizer state (neither {OPTIMIZER_DIR}/ nor one in the trainer state)")
+    positional = saved["optimizer"]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the order the optimizer was built in
+    full = {"state": {names[i]: s for i, s in positional["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in positional["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+
+
+class Work:
+    """What every rank of the trainer does together, by name (`ranks.Ranks.together`); with one plain
+    process, what that process does. `model` and `learner` are this rank's."""
+
+    RETRIED = (WeightUpdateError, OSError, RuntimeError, ValueError, KeyError)  # a load rank 0 may retry elsewhere
+
+    def __init__(self, model: torch.nn.Module, learner, rank: int = 0):
+        self.model, self.learner, self.rank = model, learner, rank
+
+    def step(self, samples):
+        return self.learner.step(samples)
+
+    def push(self) -> None:
+        """A rank other than 0's part in a weight push: every gather, nothing kept."""
+        for _ in gathered_named_tensors(self.model):
+            pass
+
+    def probe(self, token_ids: list[int]) -> torch.Tensor:
+        """The model's log-probs of `token_ids[1:]` after `token_ids[:1]`..., one forward pass."""
+        from nano_miles.algo.grpo import token_logprobs
+        device = self.learner.device
+        ids = torch.tensor([token_ids], device=device)
+        with torch.no_grad():
+            self.model.eval()
+            return token_logprobs(self.model, ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, :-1]))[0].cpu()
+
+    def save(self, directory: str) -> dict:
+        """The model's files into `directory`; the learner's state for the trainer state file."""
+        directory = Path(directory)
+        if is_sharded(self.model):
+            save_weights(self.model, self.learner.optimizer, directory, self.rank == 0)
+        else:
+            self.model.save_pretrained(directory)
+        return self.learner.state_dict()
+
+    def load(self, directory: str, base: dict | None) -> None:
+        """The checkpoint's weights (a LoRA model's adapters) and the learner's state, which
+        `checkpoint.load_checkpoint` has checked."""
+        from nano_miles.stages.trainer.lora import load_adapters
+        directory = Path(directory)
+        saved = torch.load(directory / STATE_FILE, weights_only=True)
+        if base:
+            load_adapters(self.model, directory)
+        elif is_sharded(self.model):
+            load_weights(self.model, directory)
+        else:
+            load_safetensors_dir(self.model, str(directory))
+        self.learner.load_state_dict(saved, directory)
