@@ -11,7 +11,7 @@ as rank 0 does (`nano_miles/stages/trainer/ranks.py`); any rank that dies ends t
 
 import os
 
-from nano_miles.run.cli import ArgumentParser, UserError, run
+from nano_miles.run.cli import ArgumentParser, run
 
 RANK = int(os.environ.get("RANK", "0"))  # torch's launcher names each rank of a sharded trainer
 
@@ -30,38 +30,26 @@ def main(argv: list[str]) -> int:
     split = split_identity(cfg, load_problems(cfg, "train"))  # group ids <-> positions in the train split
     from nano_miles.stages.trainer import ranks
     if ranks.is_launcher(cfg.trainer.strategy):
-        os.environ["NANOMILES_STAGE_PID"] = str(os.getpid())  # what rank 0's heartbeat names: supervisord's pid
         return ranks.launch(__file__, argv, cfg.trainer.world_size)
     import logging
     import signal
 
-    import torch
     import zmq
 
     from nano_miles.engine.client import EngineError
     from nano_miles.rewards.worker import RewardWorker
     from nano_miles.run.process import EXIT_STOPPED, StopRequested, setup_process
+    from nano_miles.stages.trainer import memory_plan
     from nano_miles.stages.trainer.evaluate import make_evaluator
     from nano_miles.stages.trainer.step_loop import Trainer
     from nano_miles.tasks.prompts import load_tokenizer, stop_token_ids
     from nano_miles.wire.sockets import ControlTimeout
 
-    device = torch.device(cfg.trainer.device)
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UserError(f"trainer.device is {cfg.trainer.device!r}, but torch {torch.__version__} sees "
-                        f"{torch.cuda.device_count()} CUDA devices here")
-    chosen = None
-    if cfg.trainer.memory_plan and device.type == "cuda":  # micro-batches and checkpointing that fit beside SGLang
-        from nano_miles.stages.trainer import memory_plan
-        chosen = memory_plan.plan_for(cfg, torch.cuda.get_device_properties(device).total_memory)
-        cfg = memory_plan.apply(cfg, chosen)
+    cfg, chosen = memory_plan.fit_to_device(cfg)  # with trainer.memory_plan: what fits beside SGLang
     tokenizer = load_tokenizer(cfg.model_dir)
-    world, group = 1, None
-    if cfg.trainer.strategy == "fsdp2":
-        die_with_parent(signal.SIGKILL)  # a launcher gone (killed with its group): its ranks at once
-        _, world, group = ranks.join(cfg.trainer.device)
+    world, group = ranks.join(cfg.trainer.device) if cfg.trainer.strategy == "fsdp2" else (1, None)
     if RANK != 0:  # a rank that holds its shards and does what rank 0 names
-        return serve(cfg, tokenizer, world, group)
+        return ranks.serve(cfg, tokenizer, RANK, world, group)
     stops = stop_token_ids(cfg.model_dir, tokenizer, chat_template=cfg.task.chat_template)
     worker = RewardWorker(reward_fn, cfg.reward.timeout_s, cfg.reward.num_workers)
     worker.start()  # forked now, before the model, sockets and threads exist
@@ -69,7 +57,7 @@ def main(argv: list[str]) -> int:
     setup_process("trainer", cfg, num_threads=cfg.trainer.num_threads, is_log_copied=True)
     if chosen is not None:
         logging.getLogger("trainer").info("memory plan: %s", chosen.describe())
-    trainer = Trainer(cfg, zmq.Context.instance(), load_model(cfg), tokenizer, evaluator, split,
+    trainer = Trainer(cfg, zmq.Context.instance(), ranks.load_policy(cfg), tokenizer, evaluator, split,
                       world=world, group=group)  # may refuse the run dir
     signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
     (cfg.run_dir / "config.toml").write_text(cfg.to_toml())
@@ -84,36 +72,6 @@ def main(argv: list[str]) -> int:
         code = 1
     trainer.ranks.finish(code)  # the other ranks leave with this one
     return code
-
-
-def load_model(cfg):
-    """The policy as every rank loads it: seeded alike, so LoRA's new adapters are the same everywhere."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from nano_miles.stages.trainer import lora
-    torch.manual_seed(cfg.run.seed)
-    model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
-    return lora.wrap(model, cfg.trainer).to(cfg.trainer.device)  # trainer.lora_rank > 0: adapters train
-
-
-def serve(cfg, tokenizer, world: int, group) -> int:
-    """A rank other than 0: its learner, then what rank 0 names until it leaves; rank 0's exit code."""
-    import logging
-    import sys
-
-    import torch
-
-    from nano_miles.stages.trainer.learner import Learner
-    from nano_miles.stages.trainer.ranks import Ranks
-    from nano_miles.stages.trainer.sharded import Work
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
-                        format=f"%(asctime)s trainer.rank{RANK} %(levelname)s %(message)s")
-    torch.set_num_threads(cfg.trainer.num_threads)
-    model = load_model(cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    learner = Learner(cfg.trainer, model, pad_id, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
-    return Ranks(Work(model, learner, RANK), RANK, world, group).serve()
 
 
 if __name__ == "__main__":

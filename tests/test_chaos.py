@@ -15,10 +15,10 @@ CHAOS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.group_
 
 
 def kill_every_stage_twice(run_dir, overrides: list[str], *, num_steps: int, batch_groups: int,
-                           config: str | None = None) -> dict:
+                           config: str | None = None, first=None) -> dict:
     """Run `overrides` (on `config`) under the real supervisord, SIGKILL every stage twice in a random
     order at random times, and check that every group was trained exactly once and the engine serves
-    the final weights. The run's summary."""
+    the final weights. `first(run)`: other kills, before those. The run's summary."""
     rng = random.Random(1234)
     victims = list(STAGES) * 2
     rng.shuffle(victims)
@@ -26,6 +26,8 @@ def kill_every_stage_twice(run_dir, overrides: list[str], *, num_steps: int, bat
     restarts = []
     try:
         run.stage_pid("trainer")
+        if first is not None:
+            first(run)
         for stage in victims:
             time.sleep(rng.uniform(0.5, 2.5))
             if run.proc.poll() is not None:

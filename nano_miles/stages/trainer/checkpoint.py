@@ -13,7 +13,7 @@ each step trained or skipped, the run's identity, the train split's and token co
 file and the directory are fsynced, and only then is it renamed into place.
 
 A sharded trainer (`trainer.strategy = "fsdp2"`, `sharded.py`) writes the same model directory from
-one gather on rank 0, and the optimizer's state as `optimizer/`: torch.distributed.checkpoint's files,
+one gather on rank 0, and the optimizer's state as an `optimizer` folder: torch.distributed.checkpoint's files,
 one per rank, which load into any number of ranks, one plain process included; its trainer_state.pt
 then holds no optimizer state. A one-process checkpoint loads into a sharded trainer too.
 
@@ -140,7 +140,7 @@ def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, 
     """`learner`: what holds the optimizer and the schedule (`learner.Learner`; its `state_dict`);
     `base`: a LoRA model's base (`lora.base_identity`), which the checkpoint names instead of holding;
     `save(directory) -> learner state`: writes the model's files when every rank takes part
-    (`sharded.Work.save`), instead of `model.save_pretrained` here."""
+    (`sharded.Work.save`), instead of `save_pretrained` here."""
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -113,6 +113,12 @@ def compile_layers(model) -> int:
     return len(layers)
 
 
+def make_learner(cfg, model, tokenizer) -> "Learner":
+    """The run's learner for `model`: `cfg` is the whole config (its trainer and rollout sections)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return Learner(cfg.trainer, model, pad_id, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+
+
 class Learner:
     def __init__(self, trainer_cfg, model, pad_id: int, temperature: float, max_new_tokens: int = 0):
         t = self.cfg = trainer_cfg

@@ -140,6 +140,22 @@ def apply(cfg, chosen: Plan):
     return dataclasses.replace(cfg, trainer=trainer)
 
 
+def fit_to_device(cfg) -> tuple:
+    """(`cfg` as the trainer runs it, the plan or None): on a GPU with `trainer.memory_plan`, the micro-batch
+    size and checkpointing that fit beside SGLang. A CUDA device torch does not see is a UserError."""
+    import torch
+
+    from nano_miles.run.cli import UserError
+    device = torch.device(cfg.trainer.device)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"trainer.device is {cfg.trainer.device!r}, but torch {torch.__version__} sees "
+                        f"{torch.cuda.device_count()} CUDA devices here")
+    if not (cfg.trainer.memory_plan and device.type == "cuda"):
+        return cfg, None
+    chosen = plan_for(cfg, torch.cuda.get_device_properties(device).total_memory)
+    return apply(cfg, chosen), chosen
+
+
 def main(argv: list[str]) -> int:
     from nano_miles.run.cli import ArgumentParser
     from nano_miles.run.config import parse_config

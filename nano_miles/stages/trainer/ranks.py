@@ -47,6 +47,7 @@ def launch(script: str, argv: list[str], world_size: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    os.environ["NANOMILES_STAGE_PID"] = str(os.getpid())  # whom rank 0's heartbeat names: supervisord's child
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # --standalone: a free port
                           max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
@@ -102,12 +103,14 @@ class Ranks:
         self.tell(EXIT, code)
 
 
-def join(device: str) -> tuple[int, int, object]:
-    """Join the ranks torchrun's environment names: (rank, world size, the command group). The model's
+def join(device: str) -> tuple[int, object]:
+    """Join the ranks torchrun's environment names: (world size, the command group). The model's
     collectives use the default group: NCCL when the trainer is on a GPU, gloo on the CPU."""
     import torch
     import torch.distributed as dist
 
+    from nano_miles.run.process import die_with_parent
+    die_with_parent(signal.SIGKILL)  # a launcher gone (killed with its process group): its ranks at once
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the ranks stop
@@ -115,4 +118,30 @@ def join(device: str) -> tuple[int, int, object]:
     if is_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if is_cuda else "gloo")
-    return rank, world, dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    return world, dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+
+
+def load_policy(cfg):
+    """The policy as every rank loads it, on the trainer's device: seeded alike, so that LoRA's new
+    adapters are the same on every rank."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nano_miles.stages.trainer import lora
+    torch.manual_seed(cfg.run.seed)
+    model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
+    return lora.wrap(model, cfg.trainer).to(cfg.trainer.device)  # trainer.lora_rank > 0: adapters train
+
+
+def serve(cfg, tokenizer, rank: int, world: int, group) -> int:
+    """A rank other than 0: its model and learner, then what rank 0 names until it leaves; rank 0's
+    exit code."""
+    import torch
+
+    from nano_miles.stages.trainer.learner import make_learner
+    from nano_miles.stages.trainer.sharded import Work
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
+                        format=f"%(asctime)s trainer.rank{rank} %(levelname)s %(message)s")
+    torch.set_num_threads(cfg.trainer.num_threads)
+    model = load_policy(cfg)
+    return Ranks(Work(model, make_learner(cfg, model, tokenizer), rank), rank, world, group).serve()

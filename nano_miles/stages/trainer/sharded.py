@@ -11,7 +11,7 @@ Library module used by the learner (sharding, the sums over ranks), the step loo
   a bucket beyond its shard.
 * A checkpoint keeps the full weights as a Hugging Face directory (rank 0 writes it from one gather:
   export and SGLang take it as it is) and the optimizer's state with torch.distributed.checkpoint
-  under `optimizer/`, each rank writing its own shard; both load into any number of ranks, one
+  in an `optimizer` folder, each rank writing its own shard; both load into any number of ranks, one
   plain process included.
 """
 
@@ -125,7 +125,7 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
 
 
 def load_optimizer(model: torch.nn.Module, optimizer, directory: Path, saved: dict) -> None:
-    """The optimizer's state from a checkpoint: its sharded `optimizer/` (any world size, one plain
+    """The optimizer's state from a checkpoint: its sharded `optimizer` folder (any world size, one plain
     process included), or a one-process checkpoint's `saved["optimizer"]` (torch's format, parameters by
     position) onto this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict

@@ -37,7 +37,7 @@ from nano_miles.run.identity import ensure_run_identity, refuse_another_split, w
 from nano_miles.run.process import StopRequested
 from nano_miles.stages.trainer import lora
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
-from nano_miles.stages.trainer.learner import Learner, TrainSample
+from nano_miles.stages.trainer.learner import TrainSample, make_learner
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.stages.trainer.ranks import Ranks
 from nano_miles.stages.trainer.sharded import Work, gathered_named_tensors
@@ -60,10 +60,8 @@ class Trainer:
         """`split`: `nano_miles.tasks.split_identity` of the train split the group ids number; `world`,
         `group`: the trainer's ranks and their command group (`ranks.join`), when this is rank 0 of several."""
         self.cfg, self.model, self.tokenizer, self.evaluator = cfg, model, tokenizer, evaluator
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         t = cfg.trainer
-        # before a checkpoint is loaded
-        self.learner = Learner(t, model, pad_id, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        self.learner = make_learner(cfg, model, tokenizer)  # before a checkpoint is loaded
         # what needs the whole model goes through here: with several ranks, each takes part
         self.ranks = Ranks(Work(model, self.learner), 0, world, group)
         self.pull = make_socket(ctx, zmq.PULL, t.endpoint, bind=True)
