@@ -2,7 +2,8 @@
 
 Run: python -m harness.fsdp_step OUT.pt [--world-size N] [--steps K] [--load DIR] [--save DIR] [--trainer.KEY=VALUE ...]
 
-Rank 0 writes OUT.pt: each step's `LearnResult` fields and advantages, and the full weights after it.
+Rank 0 writes OUT.pt: each step's `LearnResult` fields and advantages, and the full weights after it
+as a push sends them (a LoRA model's merged).
 With `--save DIR` the checkpoint's model files and learner state go to DIR after the first step (as
 the trainer's checkpoint writes them); `--load DIR` starts from such a directory. The ranks run under
 the trainer's own launcher and do the trainer's own work (`sharded.Work`), so `tests/test_fsdp.py`
@@ -51,30 +52,31 @@ def main(argv: list[str]) -> int:
     import dataclasses
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from harness.policy import ensure_policy
     from nano_miles.run.config import load_config
+    from nano_miles.stages.trainer import lora
     from nano_miles.stages.trainer.checkpoint import STATE_FILE
     from nano_miles.stages.trainer.learner import Learner
     from nano_miles.stages.trainer.sharded import Work, gathered_named_tensors
+    from nano_miles.weights.named_tensors import trainable_named_tensors
 
     strategy = ["--trainer.strategy=fsdp2", f"--trainer.world_size={args.world_size}"] if args.world_size > 1 else []
     cfg = load_config(None, [*strategy, *overrides])
     torch.set_num_threads(1)
     if args.world_size > 1:
         ranks.join("cpu")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(ensure_policy(), dtype=torch.float32)
+    model = ranks.load_policy(cfg)  # the shipped policy; LoRA adapters seeded alike on every rank
     learner = Learner(cfg.trainer, model, pad_id=0, temperature=1.0, max_new_tokens=16)
     work = Work(model, learner, RANK)
+    base = lora.base_identity(cfg.model_dir) if cfg.trainer.lora_rank else None
     if args.load:
-        work.load(str(args.load), None)
+        work.load(str(args.load), base)
     steps = []
     for step in range(args.steps):
         result, advantages = work.step(samples_of_step(step + (1 if args.load else 0)))
         params = {}
-        for name, t in gathered_named_tensors(model) if args.world_size > 1 else model.named_parameters():
+        # what a push sends: every weight, a LoRA model's with its adapters merged
+        for name, t in gathered_named_tensors(model) if args.world_size > 1 else trainable_named_tensors(model):
             if RANK == 0:
                 params[name] = t.detach().clone()
         steps.append({"result": dataclasses.asdict(result), "advantages": advantages, "params": params})

@@ -15,12 +15,12 @@ CHAOS = ["--trainer.num_steps=80", "--trainer.batch_groups=8", "--rollout.group_
 
 
 def kill_every_stage_twice(run_dir, overrides: list[str], *, num_steps: int, batch_groups: int,
-                           config: str | None = None, first=None) -> dict:
-    """Run `overrides` (on `config`) under the real supervisord, SIGKILL every stage twice in a random
-    order at random times, and check that every group was trained exactly once and the engine serves
-    the final weights. `first(run)`: other kills, before those. The run's summary."""
+                           config: str | None = None, first=None, stages=STAGES) -> dict:
+    """Run `overrides` (on `config`) under the real supervisord, SIGKILL every stage (of `stages`) twice
+    in a random order at random times, and check that every group was trained exactly once and the
+    engine serves the final weights. `first(run)`: other kills, before those. The run's summary."""
     rng = random.Random(1234)
-    victims = list(STAGES) * 2
+    victims = list(stages) * 2
     rng.shuffle(victims)
     run = SupervisedRun(run_dir, overrides, config=config).start()
     restarts = []
@@ -49,7 +49,7 @@ def kill_every_stage_twice(run_dir, overrides: list[str], *, num_steps: int, bat
     assert summary["engine_final_version"] == str(num_steps), "engine does not serve the final weights"
     assert summary["final_parity"] <= 1e-5, "engine weights differ from the trainer's"
     log = (run.run_dir / "supervisord.log").read_text()
-    for stage in STAGES:
+    for stage in stages:
         assert log.count(f"exited: {stage} (terminated by SIGKILL") >= 2, stage
     return summary
 

@@ -73,3 +73,20 @@ def test_checkpoints_resume_across_world_sizes(tmp_path):
     from_plain = run_steps(tmp_path / "from_plain.pt", "--load", str(plain), *PLAIN, world=2)
     assert_same_step(straight[1], from_shards[0], LATER_STEP_TOLERANCE)
     assert_same_step(straight[1], from_plain[0], LATER_STEP_TOLERANCE)
+
+
+def test_a_sharded_lora_step_and_its_checkpoints(tmp_path):
+    """LoRA on a bf16 base, its KL reference the base with the adapters off: the merged weights a push
+    sends, from 2 ranks and from one process, and checkpoints of adapters across world sizes."""
+    lora = ["--trainer.lora_rank=8", "--trainer.dtype=bfloat16", "--trainer.kl_coef=0.05", "--trainer.lr=1e-2",
+            "--trainer.micro_batch_tokens=40", "--trainer.mini_batches=2"]
+    plain, shards = tmp_path / "plain", tmp_path / "shards"
+    straight = run_steps(tmp_path / "straight.pt", "--steps", "2", "--save", str(plain), *lora)
+    two = run_steps(tmp_path / "two.pt", "--save", str(shards), *lora, world=2)
+    assert (shards / "adapter_model.safetensors").is_file() and not (shards / "model.safetensors").exists()
+    assert weight_gap(straight[0], straight[1]) > 1e-4, "the adapters did not move the merged weights"
+    assert_same_step(straight[0], two[0], 1e-6)
+    from_shards = run_steps(tmp_path / "from_shards.pt", "--load", str(shards), *lora)
+    from_plain = run_steps(tmp_path / "from_plain.pt", "--load", str(plain), *lora, world=2)
+    assert_same_step(straight[1], from_shards[0], LATER_STEP_TOLERANCE)
+    assert_same_step(straight[1], from_plain[0], LATER_STEP_TOLERANCE)

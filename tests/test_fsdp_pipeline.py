@@ -3,11 +3,17 @@
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from conftest import REPO
 from harness.supervised_run import SupervisedRun
 from nano_miles.run.process import processes_of_run
 from test_chaos import CHAOS, kill_every_stage_twice
@@ -44,6 +50,13 @@ def test_a_two_rank_run_learns_and_a_one_process_trainer_continues_it(tmp_path):
         first.stop()
     checkpoint = first.run_dir / "checkpoints" / "step_000024"
     assert (checkpoint / "model.safetensors").is_file() and len(list((checkpoint / "optimizer").iterdir())) >= 2
+    exported = subprocess.run([sys.executable, "-m", "nano_miles.export", str(checkpoint), str(tmp_path / "out")],
+                              cwd=REPO, capture_output=True, text=True)
+    assert exported.returncode == 0, exported.stderr
+    assert not (tmp_path / "out" / "optimizer").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters() if n in saved)
     (first.run_dir / "summary.json").unlink()  # finished at 24: the same run goes on to 48
     run = SupervisedRun(tmp_path / "run", SYNC).start()
     try:
@@ -61,9 +74,9 @@ def test_a_two_rank_run_learns_and_a_one_process_trainer_continues_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_each_rank_and_every_stage_loses_nothing(tmp_path):
+def test_kill_9_of_each_rank_the_launcher_and_the_engine_loses_nothing(tmp_path):
     """Rank 1 and rank 0 killed on their own (the launcher exits 1, supervisord starts it again), then
-    every stage, the launcher included, twice."""
+    the launcher (its ranks die with it) and the engine (the trainer pushes to the new one) twice."""
     rng = random.Random(7)
 
     def kill_each_rank(run: SupervisedRun) -> None:
@@ -76,7 +89,7 @@ def test_kill_9_of_each_rank_and_every_stage_loses_nothing(tmp_path):
                 assert time.monotonic() < deadline, f"no step after killing rank {rank}:\n{run.tail()}"
                 time.sleep(0.1)
 
-    kill_every_stage_twice(tmp_path / "run", [*CHAOS, *TWO_RANKS, "--trainer.num_steps=40"], num_steps=40,
-                           batch_groups=8, first=kill_each_rank)
+    kill_every_stage_twice(tmp_path / "run", [*CHAOS, *TWO_RANKS, "--trainer.num_steps=30"], num_steps=30,
+                           batch_groups=8, first=kill_each_rank, stages=("trainer", "engine"))
     log = (tmp_path / "run" / "supervisord.log").read_text()
     assert log.count("exited: trainer (exit status 1; not expected)") == 2, log

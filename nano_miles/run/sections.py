@@ -236,9 +236,6 @@ class TrainerConfig(Section):
         if self.world_size > 1 and self.strategy != "fsdp2":
             raise ConfigError(f"trainer.world_size = {self.world_size} shards the model over that many processes: "
                               "set trainer.strategy = \"fsdp2\" too")
-        if self.strategy == "fsdp2" and self.lora_rank:
-            raise ConfigError("trainer.lora_rank > 0 runs with trainer.strategy = \"single\"; LoRA adapters are "
-                              "not sharded over ranks yet")
         if self.scale_rewards != "group" and self.advantage != "grpo":
             raise ConfigError(f"trainer.scale_rewards={self.scale_rewards} is the grpo estimator's option; "
                               f"trainer.advantage={self.advantage} scales its own way: leave it at group")

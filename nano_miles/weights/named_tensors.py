@@ -45,10 +45,11 @@ def trainable_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Ten
     return [(name, p.detach()) for name, p in model.named_parameters()]
 
 
-def merged_named_tensors(model):
+def merged_named_tensors(model, full=lambda t: t):
     """The base model's parameters under its own names, each adapted weight merged in fp32:
     W + scale B A, one at a time as they are asked for (a generator: a 7B model's merged weights
-    would take 26 GB at once). The model's own tensors are not changed."""
+    would take 26 GB at once). The model's own tensors are not changed. `full(tensor)`: the whole
+    tensor of a parameter (a sharded model's: gathered from every rank, in this order on each)."""
     base = model.get_base_model()
     modules = dict(base.named_modules())
     for name, p in base.named_parameters():
@@ -56,19 +57,19 @@ def merged_named_tensors(model):
             continue
         owner, _, leaf = name.rpartition(".base_layer.")
         if not owner:
-            yield name, p.detach()
+            yield name, full(p.detach())
         elif leaf == "weight":
-            yield f"{owner}.weight", merged_weight(modules[owner])
+            yield f"{owner}.weight", merged_weight(modules[owner], full)
         else:
-            yield f"{owner}.{leaf}", p.detach()
+            yield f"{owner}.{leaf}", full(p.detach())
 
 
-def merged_weight(layer) -> torch.Tensor:
+def merged_weight(layer, full=lambda t: t) -> torch.Tensor:
     """One PEFT LoRA linear layer's weight with its active adapters added, in fp32."""
     with torch.no_grad():
-        w = layer.base_layer.weight.float()
+        w = full(layer.base_layer.weight.detach()).float()
         for adapter in layer.active_adapters:
-            a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
+            a, b = full(layer.lora_A[adapter].weight.detach()).float(), full(layer.lora_B[adapter].weight.detach()).float()
             w = w + layer.scaling[adapter] * (b @ a)
     return w
 

@@ -18,13 +18,14 @@ Library module used by the learner (sharding, the sums over ranks), the step loo
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
 
 from nano_miles.stages.trainer.checkpoint import OPTIMIZER_DIR, STATE_FILE
-from nano_miles.weights.named_tensors import (WeightUpdateError, is_sharded, load_safetensors_dir, plan_copy,
-                                              read_safetensors_dir, tied_names)
+from nano_miles.weights.named_tensors import (WeightUpdateError, has_adapters, is_sharded, load_safetensors_dir,
+                                              merged_named_tensors, plan_copy, read_safetensors_dir, tied_names)
 
 log = logging.getLogger("trainer")
 
@@ -81,23 +82,23 @@ def all_items(items: list) -> list:
 
 
 def gathered_named_tensors(model: torch.nn.Module, tell=None, dtype: torch.dtype | None = None):
-    """(name, full tensor) for every parameter of a sharded model, tied aliases once, each gathered
-    from all ranks as it is asked for (cast to `dtype` first: less to move). Every rank must walk all
-    of them: `tell` (rank 0's `Ranks.tell`) has the others start their walk; closed early (the
-    engine failed mid-push), rank 0 still takes part in the gathers left, so the ranks stay in step."""
+    """(name, full tensor) for every tensor a push sends from a sharded model (a LoRA model's: the
+    base's with the adapters merged, `merged_named_tensors`), each gathered from all ranks as it is
+    asked for and cast to `dtype` (a full fine-tune's before the gather: less to move). Every rank
+    must walk all of them: `tell` (rank 0's `Ranks.tell`) has the others start their walk; closed
+    early (the engine failed mid-push), rank 0 still takes part in the gathers left."""
     if tell is not None:
         tell("push")
     reshard(model)
-    params = list(model.named_parameters())
-    done = 0
+    if has_adapters(model):
+        walk = ((n, t.to(dtype or t.dtype)) for n, t in merged_named_tensors(model, lambda t: t.full_tensor()))
+    else:
+        walk = ((n, p.detach().to(dtype or p.dtype).full_tensor()) for n, p in model.named_parameters())
     try:
-        for name, p in params:
-            full = p.detach().to(dtype or p.dtype).full_tensor()
-            done += 1
-            yield name, full
+        yield from walk
     finally:
-        for _, p in params[done:]:
-            p.detach().to(dtype or p.dtype).full_tensor()
+        for _ in walk:  # the gathers the other ranks still make
+            pass
 
 
 def save_weights(model: torch.nn.Module, optimizer, directory: Path, is_leader: bool) -> None:
@@ -106,10 +107,13 @@ def save_weights(model: torch.nn.Module, optimizer, directory: Path, is_leader: 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     reshard(model)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    is_lora = has_adapters(model)  # a LoRA model's checkpoint holds its adapters alone (PEFT's directory)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=is_lora))
     if is_leader:
         skip = tied_names(model)
-        model.save_pretrained(directory, state_dict={k: v for k, v in full.items() if k not in skip})
+        model.save_pretrained(directory, state_dict={k: v for k, v in full.items()
+                                                     if (".lora_" in k if is_lora else k not in skip)})
     del full
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=directory / OPTIMIZER_DIR)
 
@@ -122,6 +126,26 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
     named = read_safetensors_dir(str(directory))
     plan_copy(model, named)
     set_model_state_dict(model, dict(named), options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def load_adapters(model: torch.nn.Module, directory: Path) -> None:
+    """Every rank: a LoRA checkpoint's adapters (PEFT's file: names without the adapter's), each rank
+    keeping its rows; every adapter must be there with its shape (a WeightUpdateError otherwise)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from nano_miles.stages.trainer.lora import ADAPTER_WEIGHTS
+    saved = load_file(str(directory / ADAPTER_WEIGHTS))
+    full = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            key = re.sub(r"\.(lora_[AB])\.[^.]+\.", r".\1.", name)  # PEFT drops the adapter's name
+            if key not in saved or tuple(saved[key].shape) != tuple(p.shape):
+                raise WeightUpdateError(f"its adapters do not match this model's at {key}")
+            full[name] = saved[key]
+    if len(full) != len(saved):
+        raise WeightUpdateError(f"it holds {len(saved)} adapter tensors, this model has {len(full)}")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def load_optimizer(model: torch.nn.Module, optimizer, directory: Path, saved: dict) -> None:
@@ -183,11 +207,13 @@ class Work:
     def load(self, directory: str, base: dict | None) -> None:
         """The checkpoint's weights (a LoRA model's adapters) and the learner's state, which
         `checkpoint.load_checkpoint` has checked."""
-        from nano_miles.stages.trainer.lora import load_adapters
+        from nano_miles.stages.trainer import lora
         directory = Path(directory)
         saved = torch.load(directory / STATE_FILE, weights_only=True)
-        if base:
+        if base and is_sharded(self.model):
             load_adapters(self.model, directory)
+        elif base:
+            lora.load_adapters(self.model, directory)
         elif is_sharded(self.model):
             load_weights(self.model, directory)
         else:
