@@ -93,3 +93,5 @@ def test_kill_9_of_each_rank_the_launcher_and_the_engine_loses_nothing(tmp_path)
                            batch_groups=8, first=kill_each_rank, stages=("trainer", "engine"))
     log = (tmp_path / "run" / "supervisord.log").read_text()
     assert log.count("exited: trainer (exit status 1; not expected)") == 2, log
+    # every rank left by itself once rank 0 was gone: none had to wait for the agent's SIGKILL
+    assert "forcefully exiting" not in (tmp_path / "run" / "supervisord.out").read_text()

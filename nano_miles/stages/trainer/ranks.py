@@ -13,10 +13,10 @@ names travel over a gloo group of their own with a long timeout: rank 0 may wait
 while the others wait for its next word, and the model's collectives (NCCL on GPUs, with its
 watchdog) are never left waiting that long.
 
-A rank that dies ends the program: the agent stops the others (SIGTERM, SIGKILL after
-SHUTDOWN_TIMEOUT_S) and the launcher exits 1; supervisord starts it again and it resumes from its
-checkpoint. Ranks other than 0 ignore SIGTERM: rank 0 stops them once its last step is checkpointed
-(which needs them), and a rank 0 that is gone closes their group, which ends them at once.
+A rank that dies ends the program: the agent stops the others (SIGTERM, then SIGKILL) and the
+launcher exits 1; supervisord starts it again and it resumes from its checkpoint. Ranks other than 0
+ignore SIGTERM: rank 0 stops them once its last step is checkpointed (which needs them), and each
+leaves by itself within a second of rank 0's end (`leave_with`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import uuid
 from datetime import timedelta
+from pathlib import Path
 
 log = logging.getLogger("trainer")
 
@@ -56,8 +59,10 @@ def launch(script: str, argv: list[str], world_size: int) -> int:
         elastic_launch(config, entrypoint=sys.executable)(script, *argv)
         return 0
     except ChildFailedError as e:
+        # rank 0's own exit (2, 143); killed, or not among the failures (another rank failed while it
+        # ran): 1
         code = {f.local_rank: f.exitcode for f in e.failures.values()}.get(0, 1)
-        return code if code > 0 else 1  # rank 0's own exit (2, 143), else: a rank died
+        return code if code > 0 else 1
     except SignalException as e:
         return 128 + e.sigval
 
@@ -118,7 +123,29 @@ def join(device: str) -> tuple[int, object]:
     if is_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if is_cuda else "gloo")
-    return world, dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    if rank != 0:
+        threading.Thread(target=leave_with, args=(pids[0],), daemon=True, name="rank0-watch").start()
+    return world, group
+
+
+def leave_with(pid: int) -> None:
+    """A rank other than 0: exit within a second of rank 0's end. A rank waiting for rank 0's next
+    word would otherwise wait for the agent's SIGKILL, 30 s later: gloo does not notice a peer that
+    died in the middle of nothing."""
+    while True:
+        time.sleep(0.5)
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "gone"
+        if state in ("gone", "Z", "X"):  # a zombie is dead: its parent, the agent, has not reaped it yet
+            log.error("rank 0 (pid %d) is gone: leaving", pid)
+            # 0: the program's status is rank 0's (the agent reports it), and rank 0 may have finished
+            # a moment before its word to leave reached this rank
+            os._exit(0)
 
 
 def load_policy(cfg):
