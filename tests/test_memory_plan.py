@@ -59,7 +59,7 @@ def test_the_plan_reads_any_model_directory_and_goes_into_the_config(tmp_path, p
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir))
     assert Shape.of(policy_dir).num_parameters == sum(p.numel() for p in model.parameters())
     shape_config("1.5b").save_pretrained(tmp_path)  # a config.json is all the plan reads
-    assert dataclasses.replace(Shape.of(tmp_path), linear_sizes={}) == shape("1.5b")
+    assert dataclasses.replace(Shape.of(tmp_path), linear_sizes={}, layer_parameters=0) == shape("1.5b")
     cfg = load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang", "--trainer.memory_plan=true"])
     chosen = memory_plan.plan_for(cfg, H200)
     planned = memory_plan.apply(cfg, chosen)
@@ -99,3 +99,21 @@ def test_lora_fits_the_7b_shape_beside_sglang(tmp_path):
     chosen = plan(s, H200, 0.3, adapters=adapters, base_bytes=2)
     assert chosen.state_gib == pytest.approx((s.num_parameters * 2 + adapters * 16) / GIB)
     assert chosen.state_gib < 16 and chosen.peak_gib <= chosen.available_gib
+
+
+def test_a_full_7b_fine_tune_fits_two_sharded_ranks_beside_sglang(tmp_path):
+    """The 7B shape's full fine-tune does not fit one H200 beside SGLang; sharded over 2 ranks each GPU
+    holds half the state plus the units FSDP2 gathers, and it fits with checkpointing."""
+    shape_config("7b").save_pretrained(tmp_path)
+    s = Shape.of(tmp_path)
+    root, layer = s.units()
+    assert root == 2 * 152064 * 3584 + 3584 and root + 28 * layer == s.num_parameters  # untied head
+    with pytest.raises(UserError, match=r"shard the trainer over more GPUs"):
+        plan(s, H200, 0.3)
+    two = plan(s, H200, 0.3, world=2)
+    assert two.state_gib == pytest.approx(s.num_parameters * 16 / 2 / GIB)
+    assert two.gradient_checkpointing and two.peak_gib <= two.available_gib and "each of 2 ranks" in two.describe()
+    assert plan(shape("0.5b"), H200, 0.3, world=2).state_gib == pytest.approx(plan(shape("0.5b"), H200, 0.3).state_gib / 2)
+    cfg = load_config(None, ["--trainer.strategy=fsdp2", "--trainer.world_size=2", "--engine.kind=sglang",
+                       "--engine.mem_fraction_static=0.3"])
+    assert memory_plan.plan_for(cfg, H200, s) == two

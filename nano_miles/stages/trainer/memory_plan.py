@@ -20,6 +20,13 @@ and 11.8 GiB with it (the plan says 12.1). The trainer's share is the GPU less t
 fraction (engine.mem_fraction_static, when SGLang runs on this GPU) less ENGINE_RESERVE_GIB for what
 SGLang allocates beyond it (CUDA graphs, prefill activations).
 
+Sharded over N ranks (`trainer.strategy = "fsdp2"`, `trainer.world_size = N`), each GPU keeps 1/N of the
+state, and FSDP2 gathers full fp32 units as it goes: the root (embeddings, head, final norm) stays
+gathered for the whole step with its gradient, and a decoder layer is gathered with the next one
+prefetched and its gradient before the reduce-scatter; activations are one micro-batch's, as in one
+process. These sharded terms follow FSDP2's design and are not yet fitted to a measured peak.
+Rank 0's GPU, which SGLang shares, is the tightest, and every rank takes its plan.
+
 The choice: no checkpointing (a quarter to a third less compute) at the largest micro-batch of
 NO_CHECKPOINT_TOKENS that fits; else checkpointing at the largest of CHECKPOINT_TOKENS; else the model
 does not fit, and the error says by how much.
@@ -46,14 +53,17 @@ CHECKPOINT_TOKENS = (32768, 16384, 8192, 4096, 2048)
 class Plan:
     micro_batch_tokens: int
     gradient_checkpointing: bool
-    peak_gib: float        # the estimate of the trainer's peak with this choice
+    peak_gib: float        # the estimate of the trainer's peak with this choice (on each rank's GPU)
     available_gib: float   # the trainer's share of the GPU
-    state_gib: float       # weights, gradients, optimizer state (and the reference)
+    state_gib: float       # weights, gradients, optimizer state (and the reference): a rank's share
+    world: int = 1         # the ranks the state is sharded over
 
     def describe(self) -> str:
+        ranks = f" on each of {self.world} ranks" if self.world > 1 else ""
         return (f"micro_batch_tokens={self.micro_batch_tokens}, gradient_checkpointing="
                 f"{str(self.gradient_checkpointing).lower()}: about {self.peak_gib:.1f} GiB of the trainer's "
-                f"{self.available_gib:.1f} GiB ({self.state_gib:.1f} GiB of it weights, gradients and AdamW state)")
+                f"{self.available_gib:.1f} GiB{ranks} ({self.state_gib:.1f} GiB of it weights, gradients and "
+                "AdamW state)")
 
 
 @dataclass
@@ -63,6 +73,12 @@ class Shape:
     intermediate_size: int
     num_layers: int
     linear_sizes: dict = dataclasses.field(default_factory=dict)  # linear layer name -> sum of in + out
+    layer_parameters: int = 0  # one decoder layer's (0: unknown, taken as an equal share of the model)
+
+    def units(self) -> tuple[int, int]:
+        """(the root's parameters, one decoder layer's): what FSDP2 gathers in full."""
+        layer = self.layer_parameters or self.num_parameters // self.num_layers
+        return max(0, self.num_parameters - layer * self.num_layers), layer
 
     def adapter_parameters(self, rank: int, targets) -> int:
         """How many parameters LoRA adapters of `rank` on the `targets` linear layers have: r (in + out) each."""
@@ -86,8 +102,11 @@ class Shape:
             if isinstance(m, torch.nn.Linear):
                 leaf = name.rsplit(".", 1)[-1]
                 sizes[leaf] = sizes.get(leaf, 0) + m.in_features + m.out_features
+        kinds = set(getattr(model, "_no_split_modules", None) or ())
+        layer = next((m for m in model.modules() if type(m).__name__ in kinds), None)
         return cls(sum(p.numel() for p in model.parameters()), config["hidden_size"], config["intermediate_size"],
-                   config["num_hidden_layers"], sizes)
+                   config["num_hidden_layers"], sizes,
+                   sum(p.numel() for p in layer.parameters()) if layer is not None else 0)
 
     def activation_bytes(self, tokens: int, checkpointing: bool) -> float:
         layer = 38 * self.hidden_size + 9 * self.intermediate_size  # one layer's, per token
@@ -96,27 +115,33 @@ class Shape:
 
 
 def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference: bool = False,
-         adapters: int = 0, base_bytes: int = 4) -> Plan:
+         adapters: int = 0, base_bytes: int = 4, world: int = 1) -> Plan:
     """The micro-batch size and checkpointing for a model of `shape` on a GPU of `gpu_bytes` of which an
     engine holds `engine_fraction` (0: none); UserError if nothing fits. `adapters` > 0: LoRA, that many
-    trained parameters on a frozen base of `base_bytes` a parameter (whose reference costs nothing)."""
+    trained parameters on a frozen base of `base_bytes` a parameter (whose reference costs nothing).
+    `world` > 1: the state sharded over that many ranks (FSDP2), each GPU planned alike."""
     available = gpu_bytes * (1 - engine_fraction) - (ENGINE_RESERVE_GIB * GIB if engine_fraction else 0)
     if adapters:
         state = shape.num_parameters * base_bytes + adapters * 16
     else:
         state = shape.num_parameters * (16 + (2 if with_reference else 0))
-    base = state + FIXED_GIB * GIB
+    state /= world
+    root, layer = shape.units()
+    # FSDP2's full fp32 units: the root and its gradient all step, a layer, the next and a layer's gradient
+    gathered = 4 * (2 * root + 3 * layer) if world > 1 else 0
+    base = state + gathered + FIXED_GIB * GIB
     for checkpointing, budgets in ((False, NO_CHECKPOINT_TOKENS), (True, CHECKPOINT_TOKENS)):
         for tokens in budgets:
             peak = base + shape.activation_bytes(tokens, checkpointing)
             if peak <= available:
-                return Plan(tokens, checkpointing, peak / GIB, available / GIB, state / GIB)
+                return Plan(tokens, checkpointing, peak / GIB, available / GIB, state / GIB, world)
     least = base + shape.activation_bytes(CHECKPOINT_TOKENS[-1], True)
     how = "LoRA" if adapters else "full fine-tuning"
     raise UserError(f"{how} of {shape.num_parameters / 1e9:.2f} B parameters needs about {least / GIB:.0f} GiB "
                     f"on the trainer's GPU ({state / GIB:.0f} GiB of weights, gradients and AdamW state alone); "
                     f"{available / GIB:.0f} GiB is left beside the engine: lower engine.mem_fraction_static, "
-                    "put the engine on another GPU, " + ("or train a smaller model" if adapters else
+                    "put the engine on another GPU, shard the trainer over more GPUs (trainer.strategy = "
+                    "\"fsdp2\", trainer.world_size) " + ("or train a smaller model" if adapters else
                                                          "or train LoRA adapters (trainer.lora_rank)"))
 
 
@@ -130,7 +155,7 @@ def plan_for(cfg, gpu_bytes: int, shape: Shape | None = None) -> Plan:
     t, shape = cfg.trainer, shape or Shape.of(cfg.model_dir)
     return plan(shape, gpu_bytes, engine_fraction(cfg), with_reference=t.kl_coef > 0,
                 adapters=shape.adapter_parameters(t.lora_rank, t.lora_target_modules),
-                base_bytes=2 if t.dtype == "bfloat16" else 4)
+                base_bytes=2 if t.dtype == "bfloat16" else 4, world=t.world_size if t.strategy == "fsdp2" else 1)
 
 
 def apply(cfg, chosen: Plan):
