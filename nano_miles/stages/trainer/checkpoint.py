@@ -145,11 +145,7 @@ def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, 
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if save is None:
-        model.save_pretrained(tmp)
-        kept = learner.state_dict()
-    else:
-        kept = save(tmp)
+    kept = save_model(tmp, model, learner) if save is None else save(tmp)
     tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
     torch.save({**kept, **state.saved()}, tmp / STATE_FILE)
     if base:
@@ -247,8 +243,8 @@ def lora_base(path: Path) -> dict | None:
 def load_checkpoint(path: Path, model, learner, base: dict | None = None, *, load=None) -> TrainerState:
     """Load weights (a LoRA model's: its adapters, onto the `base` the checkpoint names), optimizer and
     schedule state into the given objects; return the counters. The state is read and checked first:
-    one this trainer cannot continue leaves the model untouched. `load(path)`: loads them when every
-    rank takes part (`sharded.Work.load`)."""
+    one this trainer cannot continue leaves the model untouched. `load(path, saved)`: loads them when
+    every rank takes part (`sharded.Work.load`), instead of `load_model` here."""
     saved = torch.load(path / STATE_FILE, weights_only=True)
     has_shards = (path / OPTIMIZER_DIR).is_dir()  # the optimizer's state is there, not in the state file
     missing = [k for k in (*learner.state_dict(), *(f.name for f in fields(TrainerState)))
@@ -262,12 +258,25 @@ def load_checkpoint(path: Path, model, learner, base: dict | None = None, *, loa
     if base and named["sha256"] != base["sha256"]:
         raise WeightUpdateError(f"its adapters were trained on the base model {named['path']} "
                                 f"(SHA-256 {named['sha256'][:12]}), not this one ({base['path']}, {base['sha256'][:12]})")
-    if load is not None:
-        load(path)
-    elif base:
-        load_adapters(model, path)
-        learner.load_state_dict(saved)
+    if load is None:
+        load_model(path, model, learner, saved, base)
     else:
-        load_safetensors_dir(model, str(path))
-        learner.load_state_dict(saved)
+        load(path, saved)
     return TrainerState.from_saved(saved)
+
+
+def save_model(directory: Path, model, learner) -> dict:
+    """One process: the model's files (a LoRA model's: its adapter directory) into `directory`; the
+    learner's state for the trainer state file."""
+    model.save_pretrained(directory)
+    return learner.state_dict()
+
+
+def load_model(directory: Path, model, learner, saved: dict, base: dict | None) -> None:
+    """One process: a checkpoint's weights (a LoRA model's adapters) and the learner's state (`saved`:
+    its trainer state file, read already)."""
+    if base:
+        load_adapters(model, directory)
+    else:
+        load_safetensors_dir(model, str(directory))
+    learner.load_state_dict(saved, directory)

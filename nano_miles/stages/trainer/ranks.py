@@ -84,10 +84,11 @@ class Ranks:
             import torch.distributed as dist
             dist.broadcast_object_list([(command, args)], src=0, group=self.group)
 
-    def together(self, command: str, *args):
-        """Rank 0: every rank runs `work.<command>(*args)`; this rank's result."""
+    def together(self, command: str, *args, **here):
+        """Rank 0: every rank runs `work.<command>(*args)`, this one with `here` too (what only it has,
+        e.g. a file it has read already); this rank's result."""
         self.tell(command, *args)
-        return getattr(self.work, command)(*args)
+        return getattr(self.work, command)(*args, **here)
 
     def serve(self) -> int:
         """A rank other than 0: do what rank 0 names until it says `exit`; its exit code."""
@@ -100,7 +101,7 @@ class Ranks:
                 return args[0]
             try:
                 getattr(self.work, command)(*args)
-            except self.work.RETRIED as e:  # rank 0 met it too, and tries something else next
+            except self.work.RETRIED.get(command, ()) as e:  # rank 0 met it too, and tries something else next
                 log.warning("%s failed on rank %d: %s", command, self.rank, e)
 
     def finish(self, code: int) -> None:

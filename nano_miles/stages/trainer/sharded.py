@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from nano_miles.stages.trainer.checkpoint import OPTIMIZER_DIR, STATE_FILE
-from nano_miles.weights.named_tensors import (WeightUpdateError, has_adapters, is_sharded, load_safetensors_dir,
-                                              merged_named_tensors, plan_copy, read_safetensors_dir, tied_names)
+from nano_miles.stages.trainer.checkpoint import OPTIMIZER_DIR, STATE_FILE, load_model, save_model
+from nano_miles.weights.named_tensors import (WeightUpdateError, has_adapters, is_sharded, merged_named_tensors,
+                                              plan_copy, read_safetensors_dir, tied_names)
 
 log = logging.getLogger("trainer")
-
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -173,7 +172,9 @@ class Work:
     """What every rank of the trainer does together, by name (`ranks.Ranks.together`); with one plain
     process, what that process does. `model` and `learner` are this rank's."""
 
-    RETRIED = (WeightUpdateError, OSError, RuntimeError, ValueError, KeyError)  # a load rank 0 may retry elsewhere
+    # what a command may fail with on every rank alike, rank 0 then trying something else (a load: an
+    # older checkpoint); any other failure ends the rank
+    RETRIED = {"load": (WeightUpdateError, OSError, RuntimeError, ValueError, KeyError)}
 
     def __init__(self, model: torch.nn.Module, learner, rank: int = 0):
         self.model, self.learner, self.rank = model, learner, rank
@@ -198,24 +199,22 @@ class Work:
     def save(self, directory: str) -> dict:
         """The model's files into `directory`; the learner's state for the trainer state file."""
         directory = Path(directory)
-        if is_sharded(self.model):
-            save_weights(self.model, self.learner.optimizer, directory, self.rank == 0)
-        else:
-            self.model.save_pretrained(directory)
+        if not is_sharded(self.model):
+            return save_model(directory, self.model, self.learner)
+        save_weights(self.model, self.learner.optimizer, directory, self.rank == 0)
         return self.learner.state_dict()
 
-    def load(self, directory: str, base: dict | None) -> None:
+    def load(self, directory: str, base: dict | None, saved: dict | None = None) -> None:
         """The checkpoint's weights (a LoRA model's adapters) and the learner's state, which
-        `checkpoint.load_checkpoint` has checked."""
-        from nano_miles.stages.trainer import lora
+        `checkpoint.load_checkpoint` has checked; `saved`: its trainer state file, where this rank
+        has read it already (rank 0)."""
         directory = Path(directory)
-        saved = torch.load(directory / STATE_FILE, weights_only=True)
-        if base and is_sharded(self.model):
+        if saved is None:
+            saved = torch.load(directory / STATE_FILE, weights_only=True)
+        if not is_sharded(self.model):
+            return load_model(directory, self.model, self.learner, saved, base)
+        if base:
             load_adapters(self.model, directory)
-        elif base:
-            lora.load_adapters(self.model, directory)
-        elif is_sharded(self.model):
-            load_weights(self.model, directory)
         else:
-            load_safetensors_dir(self.model, str(directory))
+            load_weights(self.model, directory)
         self.learner.load_state_dict(saved, directory)

@@ -185,8 +185,8 @@ class Trainer:
         (a checkpoint, or the newest of a run directory), whose run this one continues; else a fresh
         start. So a restarted trainer always picks up its own newest step, never resume_from again.
         A checkpoint made under another train split is refused (`refuse_another_split`)."""
-        def load(path: Path) -> None:
-            self.ranks.together("load", str(path), self.base)
+        def load(path: Path, saved: dict) -> None:
+            self.ranks.together("load", str(path), self.base, saved=saved)
 
         loaded = load_newest(self.run_dir / "checkpoints", self.model, self.learner, self.base, load=load)
         is_continued = loaded is None and bool(self.cfg.trainer.resume_from)
