@@ -32,7 +32,7 @@ import torch.multiprocessing as torch_mp
 from nano_miles.engine.client import uses_update_sessions
 from nano_miles.weights.flat_sender import LOADER as FLAT_LOADER
 from nano_miles.weights.flat_sender import FlatSender
-from nano_miles.weights.named_tensors import split_into_buckets, trainable_named_tensors
+from nano_miles.weights.named_tensors import is_sharded, split_into_buckets, trainable_named_tensors
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class TensorSender:
     * "shared-memory": the model is on the CPU;
     * "flat": the model is on a GPU and every engine loads the flat buffer (SGLang as
       `nano_miles/engine/launch.py` starts it): `flat_sender.FlatSender`, one persistent buffer;
-    * "bucket": the model is on a GPU and an engine lacks that loader (an SGLang started elsewhere):
-      SGLang's stock CUDA-IPC buckets.
+    * "bucket": the model is on a GPU and an engine lacks that loader (an SGLang started elsewhere), or
+      the model is sharded over ranks: SGLang's stock CUDA-IPC buckets.
     """
 
     def __init__(self, engine, *, engine_dtype: str = "bfloat16"):  # the flat buffer's: the engine's dtype
@@ -96,6 +96,8 @@ class TensorSender:
     def choose_transport(self, model: torch.nn.Module) -> str:
         if not next(model.parameters()).is_cuda:
             return "shared-memory"
+        if is_sharded(model):  # gathered tensor by tensor: the flat buffer would hold a whole copy on rank 0
+            return "bucket"
         if serves_flat_loader(self.engine.on_all("server_info")):
             return "flat"
         log.warning("an engine does not load the flat buffer (an SGLang started without --custom-weight-loader "
@@ -104,11 +106,9 @@ class TensorSender:
 
     def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True,
              named=None) -> dict[str, float]:
-        """`named` as in `push_weights`: a sharded model's gathered tensors, which go in buckets (the
-        flat buffer would keep the whole model on rank 0)."""
+        """`named` as in `push_weights`: a sharded model's gathered tensors."""
         if self.transport is None:
-            self.transport = self.choose_transport(model) if named is None else \
-                "bucket" if next(model.parameters()).is_cuda else "shared-memory"
+            self.transport = self.choose_transport(model)
             log.info("weight updates go through the %s transport", self.transport)
         if self.transport == "flat":
             return self.flat.push(model, version, flush_cache=flush_cache)

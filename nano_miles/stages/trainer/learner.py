@@ -220,7 +220,7 @@ class Learner:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             self.scheduler.step()
         # each rank measured its own micro-batches: the step's figures are over all of them
-        losses = sharded.all_sum(torch.tensor(losses, dtype=torch.float64)).tolist() if self.world > 1 else losses
+        losses = sharded.all_sum(torch.tensor(losses, dtype=torch.float64)).tolist()
         measured, first_pass = sharded.all_items(measured), sharded.all_items(first_pass)
         weights = sharded.all_items([p.is_weights[p.batch.loss_mask].cpu() for p in parts if p.is_weights is not None])
         elapsed = time.perf_counter() - started
