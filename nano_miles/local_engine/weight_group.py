@@ -15,8 +15,8 @@ import threading
 
 import torch
 
-from nano_miles.weights.broadcast_group import (WeightTransportError, broadcast_from_rank0, new_weight_group,
-                                                parse_update_meta)
+from nano_miles.weights.broadcast_group import (WeightTransportError, broadcast_from_rank0, drop_weight_group,
+                                                new_weight_group, parse_update_meta)
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,10 @@ class WeightGroups:
     def destroy(self, body: dict) -> None:
         group_name = body.get("group_name", "weight_update_group")
         with self._lock:
-            if self._groups.pop(group_name, None) is None:
-                raise ValueError(f"no weight group named {group_name!r}")
+            group = self._groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(f"no weight group named {group_name!r}")
+        drop_weight_group(group)
         log.info("left weight group %s", group_name)
 
     def receive(self, body: dict) -> list[tuple[str, torch.Tensor]]:
@@ -74,6 +76,7 @@ class WeightGroups:
         except WeightTransportError:
             with self._lock:  # the group is out of step now; the trainer builds a new one
                 self._groups.pop(group_name, None)
+            drop_weight_group(group)
             raise
         return named
 

@@ -10,6 +10,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 # dtype names an update may carry (SGLang sends e.g. "bfloat16"); nothing else is allocated
 FLOAT_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
@@ -21,20 +22,32 @@ class WeightTransportError(RuntimeError):
 
 def new_weight_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                      group_name: str, timeout_s: float):
-    """Join (rank 0: host) the TCP store at master_address:master_port and build a process group
-    object on it, outside torch's default group. Blocks until all `world_size` ranks are in."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)  # the group holds the store (and rank 0 its server)
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    elif backend == "nccl":  # GPU only: not run here (no GPU)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    else:
+    """Join (rank 0: host) the TCP store at master_address:master_port and build a process group on it,
+    outside torch's default group. Blocks until all `world_size` ranks are in.
+
+    Built step for step as SGLang builds its side (`sglang.srt.utils.init_custom_process_group`, which
+    miles mirrors on its trainer side): the `tcp://` rendezvous, a store prefixed with the group's
+    name, then torch's own group helper, which prefixes the keys again (the group name, then the
+    device). A group built on the same store any other way waits on keys SGLang never writes: a bare
+    `ProcessGroupGloo(PrefixStore(name, store))` timed out against it on CPU. The helper registers
+    the group by name, so it must be `drop_weight_group`ed before a group of that name is built again."""
+    if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 address
+    store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(  # [] names no default-group ranks: a group of its own
+        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+        group_name=group_name, timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # its ranks are its own
     return group
+
+
+def drop_weight_group(group) -> None:
+    """Shut a weight group down and free its name (a broken one too: a peer that died leaves nothing
+    to wait for)."""
+    dist.destroy_process_group(group)
 
 
 def broadcast_from_rank0(group, tensors: list[torch.Tensor]) -> None:

@@ -12,9 +12,9 @@ SGLang's NCCL path (docs/sglang-contract.md §3.5), with gloo on CPU:
    allocate empty tensors and receive into them; the last bucket carries `flush_cache` and
    `weight_version`, so the new version becomes visible only once every tensor is in.
 
-The trainer's group is a bare `ProcessGroupGloo` object over its own `TCPStore`, not the default
-process group: a trainer run under torchrun (FSDP) keeps its default group for its own ranks, and the
-weight group, which spans trainer rank 0 and the engines only, never touches it.
+The trainer's group is built as SGLang builds the engines' side, over its own `TCPStore`, and is not
+the default process group: a trainer run under torchrun (FSDP) keeps its default group for its own
+ranks, and the weight group, which spans trainer rank 0 and the engines only, never touches it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from nano_miles.engine.client import EngineClient, EngineError
-from nano_miles.weights.broadcast_group import WeightTransportError, broadcast_from_rank0, new_weight_group
+from nano_miles.weights.broadcast_group import (WeightTransportError, broadcast_from_rank0, drop_weight_group,
+                                                new_weight_group)
 from nano_miles.weights.named_tensors import split_into_buckets, trainable_named_tensors
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,11 @@ class BroadcastSender:
                                      self.group_name, self.timeout_s)
         except RuntimeError as e:  # rendezvous timed out: some engine never joined
             raise WeightTransportError(f"weight group rendezvous failed: {e}") from None
-        self._wait_all(futures)
+        try:
+            self._wait_all(futures)
+        except (EngineError, OSError, TimeoutError):
+            drop_weight_group(group)  # an engine refused: the name is free for the next try
+            raise
         self.group = group
         log.info("weight group %s ready: %d engines, %s at %s:%d", self.group_name, len(self.engines),
                  self.backend, self.master_address, port)
@@ -93,6 +98,7 @@ class BroadcastSender:
         """Forget the group (engines that are still up are told to drop theirs)."""
         if self.group is None:
             return
+        drop_weight_group(self.group)
         self.group = None
         for e in self.engines:
             try:
