@@ -16,7 +16,8 @@ def main(argv: list[str]) -> int:
     from pathlib import Path
 
     import nano_miles
-    from nano_miles.engine.launch import engine_command, engine_env, refuse_a_held_port, router_command
+    from nano_miles.engine.launch import (engine_command, engine_env, refuse_a_held_port, refuse_a_missing_gpu,
+                                         router_command)
     from nano_miles.run.config import parse_config
     from nano_miles.run.process import die_with_parent
 
@@ -41,6 +42,8 @@ def main(argv: list[str]) -> int:
         return 0
     port = cfg.engine.router_port if args.router else cfg.engine.port + args.replica
     refuse_a_held_port(cfg.engine.host, port, cfg.run_dir)
+    if not args.router:
+        refuse_a_missing_gpu(cfg, args.replica)
     os.environ.update(env)
     die_with_parent()  # kept across exec: the server dies with supervisord, never left on its port
     # the server (and SGLang's scheduler processes, which import the flat loader) find this nano_miles

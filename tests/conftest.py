@@ -11,11 +11,12 @@ import torch
 from harness.servers import REPO_ROOT as REPO
 from harness.servers import free_port, start_local_engine, stop_process
 
-__all__ = ["GPU_ONLY", "REPO", "free_port", "report", "start_engine", "stop_process"]
+__all__ = ["GPU_ONLY", "REPO", "TWO_GPUS", "free_port", "report", "start_engine", "stop_process"]
 
 IS_GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
 # GPU tests: marked `gpu`, skipped where there is no CUDA device or no sglang (as in CI)
 GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not IS_GPU, reason="needs a CUDA GPU and sglang")]
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 def report(key: str, value) -> None:

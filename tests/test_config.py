@@ -341,3 +341,52 @@ def test_the_hang_timeout_outlasts_the_trainers_control_tries():
         load_config(overrides=["--run.hang_timeout_s=8"])  # default control: 5 s x 6 tries
     load_config(overrides=["--run.hang_timeout_s=8", "--trainer.control_timeout_s=2", "--trainer.control_retries=3"])
     load_config(overrides=["--run.hang_timeout_s=0"])
+
+
+def test_gpu_engines_share_the_trainers_gpus_or_take_their_own_after_them():
+    def layout(*overrides, replicas=4):
+        cfg = load_config(overrides=["--engine.kind=sglang", f"--engine.replicas={replicas}", *overrides])
+        return [cfg.engine_gpu(k) for k in range(replicas)]
+    fsdp2 = ["--trainer.device=cuda", "--trainer.strategy=fsdp2", "--trainer.world_size=2"]
+    assert layout("--trainer.device=cuda") == [0, 0, 0, 0]  # one GPU for everything, the default
+    assert layout(*fsdp2) == [0, 1, 0, 1]                    # colocated: the trainer's GPUs in turn
+    assert layout("--trainer.device=cuda:1") == [1, 1, 1, 1]
+    assert layout("--trainer.device=cuda", "--engine.colocate=false") == [1, 2, 3, 4]
+    assert layout(*fsdp2, "--engine.colocate=false", replicas=2) == [2, 3]
+    assert layout("--engine.colocate=false") == [0, 1, 2, 3]  # a CPU trainer holds no GPU
+    cfg = load_config(overrides=[*fsdp2, "--engine.kind=sglang", "--engine.replicas=2", "--engine.colocate=false"])
+    argv = engine_command(cfg, replica=1)
+    assert argv[argv.index("--base-gpu-id") + 1] == "3"
+    local = engine_command(load_config(overrides=[*fsdp2, "--engine.device=cuda", "--engine.colocate=false"]))
+    assert local[local.index("--device") + 1] == "cuda:2"
+    local = engine_command(load_config(overrides=fsdp2))  # the local engine on the CPU stays there
+    assert local[local.index("--device") + 1] == "cpu" and "--base-gpu-id" not in local
+
+
+def test_an_nccl_weight_group_keeps_the_engines_off_the_trainers_gpu():
+    nccl = ["--engine.kind=sglang", "--trainer.device=cuda", "--engine.weight_transport=distributed",
+            "--engine.weight_group_backend=nccl"]
+    with pytest.raises(ConfigError, match=r'^engine.weight_group_backend = "nccl" cannot join the trainer and an '
+                                          r"engine on one GPU \(engine.colocate = true puts engine 0 on the trainer's GPU 0\)"):
+        load_config(overrides=nccl)
+    load_config(overrides=[*nccl, "--engine.colocate=false"])
+    load_config(overrides=[*nccl[:-1], "--engine.weight_group_backend=gloo"])  # gloo shares a GPU
+    load_config(overrides=[*nccl, '--engine.urls=["http://h:1"]'])  # engines elsewhere: their own GPUs
+
+
+def test_an_engine_laid_out_on_a_gpu_the_host_lacks_is_one_line(tmp_path):
+    import subprocess
+
+    import torch
+
+    from harness.servers import free_port
+    if torch.cuda.device_count() > 2:
+        pytest.skip("this host has the GPU the layout names")
+    result = subprocess.run([*proc_command("engine"), "--engine.device=cuda", "--trainer.device=cuda",
+                             "--trainer.strategy=fsdp2", "--trainer.world_size=2", "--engine.colocate=false",
+                             f"--engine.port={free_port()}", f"--run.dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result
+    visible = {0: "no GPUs are", 1: "1 GPU is", 2: "2 GPUs are"}[torch.cuda.device_count()]
+    assert result.stderr.strip().endswith(f"engine 0 needs GPU 2, but {visible} visible (engine.colocate = false "
+                                          "puts the engines on GPUs after the trainer's)"), result.stderr

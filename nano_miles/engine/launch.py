@@ -33,9 +33,11 @@ def engine_command(cfg: Config, replica: int = 0) -> list[str]:
     common = ["--model-path", str(cfg.model_dir), "--host", e.host, "--port", str(e.port + replica),
               "--weight-version", "0", "--random-seed", str(cfg.run.seed)]
     if e.kind == "local":
-        return [sys.executable, "-m", "nano_miles.local_engine", *common, "--device", e.device,
+        device = f"cuda:{cfg.engine_gpu(replica)}" if e.device == "cuda" else e.device
+        return [sys.executable, "-m", "nano_miles.local_engine", *common, "--device", device,
                 "--dtype", e.dtype, "--num-threads", str(e.num_threads)]
     return [sys.executable, "-m", "sglang.launch_server", *common,
+            *(["--base-gpu-id", str(cfg.engine_gpu(replica))] if "--base-gpu-id" not in e.extra_args else []),
             "--skip-tokenizer-init",                      # token ids in and out, never text
             "--enable-metrics",                           # Prometheus /metrics on the same port
             "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
@@ -93,6 +95,20 @@ def router_command(cfg: Config) -> list[str]:
             # one and, after this long, tries the restarted replica again (default: a minute).
             "--cb-timeout-duration-secs", "3", "--health-check-interval-secs", "1",
             "--log-level", "warn"]  # info logs two lines per request
+
+
+def refuse_a_missing_gpu(cfg: Config, replica: int) -> None:
+    """A UserError (one line) if engine `replica` is laid out on a GPU this host does not show (the
+    server itself would fail deep in its start with a CUDA error)."""
+    if not cfg.engine_gpus_here:
+        return
+    import torch  # here only: the CPU engines' launcher needs none
+    gpu, visible = cfg.engine_gpu(replica), torch.cuda.device_count()
+    if gpu >= visible:
+        layout = ("engine.colocate = false puts the engines on GPUs after the trainer's" if not cfg.engine.colocate
+                  else "engine.colocate = true puts the engines on the trainer's GPUs")
+        raise UserError(f"engine {replica} needs GPU {gpu}, but {visible or 'no'} GPU{'' if visible == 1 else 's'} "
+                        f"{'is' if visible == 1 else 'are'} visible ({layout})")
 
 
 def refuse_a_held_port(host: str, port: int, run_dir: Path) -> None:

@@ -28,12 +28,20 @@ def check_model_dir(path: str) -> str | None:
     return problem and f"--model-path {path}: {problem}"
 
 
+def device_name(text: str) -> str:
+    """--device's value, checked as the config checks it (cpu, cuda or cuda:N)."""
+    from nano_miles.run.rules import DEVICE
+    if not DEVICE.accepts(text):
+        raise argparse.ArgumentTypeError(f"{DEVICE.allowed}, not {text!r}")
+    return text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(prog=PROG, description=__doc__)  # a bad flag is a UserError: one line, exit 2
     p.add_argument("--model-path", required=True, help="local Hugging Face causal-LM directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (anything but loopback logs a warning)")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", type=device_name, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--weight-version", default="default", help="initial weight_version reported to clients")
     p.add_argument("--random-seed", type=int, default=None,
@@ -71,8 +79,8 @@ def main(argv=None) -> int:
     from nano_miles.local_engine.server import EngineHTTPServer, EngineState
     from nano_miles.observe.metrics import EngineMetrics
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda, but torch sees no CUDA device")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}, but torch sees no CUDA device")
     num_threads = args.num_threads or (1 if args.device == "cpu" else None)
     if num_threads:
         torch.set_num_threads(num_threads)

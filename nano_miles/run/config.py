@@ -72,6 +72,38 @@ class Config:
             raise ConfigError(f"trainer.mini_batches ({self.trainer.mini_batches}) is more than a step's "
                               f"{num_samples} samples (trainer.batch_groups x rollout.group_size)")
 
+        e = self.engine  # NCCL refuses a group with two members on one GPU: rank 0 and engine 0 here
+        if (e.weight_transport, e.weight_group_backend, e.colocate) == ("distributed", "nccl", True) \
+                and self.engine_gpus_here and self.trainer_gpus:
+            raise ConfigError(f"engine.weight_group_backend = \"nccl\" cannot join the trainer and an engine on one GPU "
+                              f"(engine.colocate = true puts engine 0 on the trainer's GPU {self.trainer_gpus[0]}): "
+                              "set engine.colocate = false (a GPU per engine) or engine.weight_transport = \"tensor\"")
+
+    @property
+    def trainer_gpus(self) -> list[int]:
+        """The GPUs the trainer runs on (indexes among the visible ones): a rank per GPU from 0 under
+        fsdp2, else the one trainer.device names; none on the CPU."""
+        device = self.trainer.device
+        if not device.startswith("cuda"):
+            return []
+        if self.trainer.strategy == "fsdp2":
+            return list(range(self.trainer.world_size))
+        return [int(device.partition(":")[2] or 0)]
+
+    @property
+    def engine_gpus_here(self) -> bool:
+        """Are the engines this config starts on GPUs (SGLang, or the local engine on cuda)?"""
+        return not self.engine.urls and (self.engine.kind == "sglang" or self.engine.device == "cuda")
+
+    def engine_gpu(self, replica: int) -> int:
+        """The GPU engine `replica` starts on. Colocated (the default), the engines take the trainer's
+        GPUs in turn (all of them GPU 0 for a one-GPU trainer); otherwise each has one of its own, after
+        the trainer's, as in miles (trainer 0..N-1, engines N, N+1, ...)."""
+        gpus = self.trainer_gpus
+        if self.engine.colocate:
+            return gpus[replica % len(gpus)] if gpus else 0
+        return (max(gpus) + 1 if gpus else 0) + replica
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir).absolute()

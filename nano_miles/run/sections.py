@@ -63,7 +63,7 @@ class EngineConfig(Section):
     kind: str = checked("local", one_of("local", "sglang"))  # local: transformers + torch; sglang: GPU
     host: str = checked("127.0.0.1", HOST)
     port: int = checked(30000, PORT)
-    device: str = checked("cpu", DEVICE)  # the local engine's; SGLang picks its GPU itself
+    device: str = checked("cpu", DEVICE)  # the local engine's (cpu or cuda); the GPU is the layout's (colocate)
     dtype: str = checked("float32", one_of(*DTYPES))
     num_threads: int = checked(1, at_least(1))        # torch threads of the local engine
     mem_fraction_static: float = checked(0.5, FRACTION)  # sglang: GPU share for weights + KV (rest: trainer)
@@ -80,6 +80,8 @@ class EngineConfig(Section):
                                                       # started here on ports port, port+1, ...; > 1: behind
                                                       # sglang-router at router_port
     router_port: int = checked(30100, PORT)           # the router supervisord starts when replicas > 1
+    colocate: bool = checked(True, BOOL)              # GPU engines share the trainer's GPUs (their memory split
+                                                      # by mem_fraction_static); false: a GPU each, after the trainer's
     urls: list = checked([], URLS)   # engines started elsewhere: ["http://h1:30000", ...]; [] = the replicas
     router_url: str = checked("", URL_OR_EMPTY)       # sglang-router in front of `urls`: generation goes through it
 
@@ -90,7 +92,7 @@ class EngineConfig(Section):
                               "set one of them")
         if self.kind == "local" and self.dtype not in LOCAL_ENGINE_DTYPES:
             self.refuse("dtype", f"{' or '.join(LOCAL_ENGINE_DTYPES)} with engine.kind=local", self.dtype)
-        if self.kind == "local" and self.device not in ("cpu", "cuda"):  # CUDA_VISIBLE_DEVICES picks the GPU
+        if self.kind == "local" and self.device not in ("cpu", "cuda"):  # Config.engine_gpu picks the GPU
             self.refuse("device", "cpu or cuda with engine.kind=local", self.device)
         if len(self.urls) > 1 and not self.router_url:
             raise ConfigError("engine.urls lists several engines: set engine.router_url for generation")
