@@ -61,6 +61,44 @@ def test_broadcast_update_matches_trainer_and_sets_version(engine, policy_dir):
         client._call("POST", "/destroy_weights_update_group", {"group_name": "weight_update_group"})
 
 
+def test_a_restarted_trainer_rebuilds_the_group_an_engine_still_holds(engine, policy_dir):
+    """A trainer killed with a group up leaves the engine holding that group's name; the next trainer's
+    first update must still get through."""
+    from transformers import AutoModelForCausalLM
+
+    from nano_miles.weights.broadcast_group import drop_weight_group
+
+    client = EngineClient(engine, timeout_s=60)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    dead = BroadcastSender([client], backend="gloo", timeout_s=30)
+    dead.push(model, 11)
+    drop_weight_group(dead.group)  # what a killed process leaves: its side gone, the engine's kept
+    sender = BroadcastSender([client], backend="gloo", timeout_s=30)
+    try:
+        perturb(model, seed=12)
+        sender.push(model, 12)
+        assert client.model_info()["weight_version"] == "12"
+        got = torch.tensor(client.score(PROMPT, RESPONSE))
+        assert (got - trainer_scores(model, PROMPT, RESPONSE)).abs().max() <= 1e-5
+    finally:
+        sender.close()
+
+
+def test_a_trainer_under_torchrun_hosts_the_groups_store(engine, policy_dir, monkeypatch):
+    """torchrun tells its ranks to use its agent's store; the weight group's store is the trainer's own."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    client = EngineClient(engine, timeout_s=60)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    sender = BroadcastSender([client], backend="gloo", timeout_s=10)
+    try:
+        sender.push(model, 13)
+        assert client.model_info()["weight_version"] == "13"
+    finally:
+        sender.close()
+
+
 def test_peers_select_broadcast_transport_by_config(engine, policy_dir):
     """The trainer's own update path (pause -> push -> resume) with engine.weight_transport set."""
     import zmq

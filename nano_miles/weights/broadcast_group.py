@@ -26,17 +26,19 @@ def new_weight_group(backend: str, master_address: str, master_port: int, rank: 
     outside torch's default group. Blocks until all `world_size` ranks are in.
 
     Built step for step as SGLang builds its side (`sglang.srt.utils.init_custom_process_group`, which
-    miles mirrors on its trainer side): the `tcp://` rendezvous, a store prefixed with the group's
-    name, then torch's own group helper, which prefixes the keys again (the group name, then the
-    device). A group built on the same store any other way waits on keys SGLang never writes: a bare
-    `ProcessGroupGloo(PrefixStore(name, store))` timed out against it on CPU. The helper registers
-    the group by name, so it must be `drop_weight_group`ed before a group of that name is built again."""
+    miles mirrors on its trainer side): the store the `tcp://` rendezvous makes, prefixed with the
+    group's name, then torch's own group helper, which prefixes the keys again (the group name, then
+    the device). A group built on the same store any other way waits on keys SGLang never writes: a
+    bare `ProcessGroupGloo(PrefixStore(name, store))` timed out against it on CPU. The store is made
+    here rather than by the rendezvous itself, because under torchrun (a sharded trainer) the
+    rendezvous sees TORCHELASTIC_USE_AGENT_STORE and makes every rank, rank 0 too, a client of a
+    store that nobody hosts. The helper registers the group by name, so it must be
+    `drop_weight_group`ed before a group of that name is built again."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 address
-    store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     group, _ = c10d._new_process_group_helper(  # [] names no default-group ranks: a group of its own
         world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
         group_name=group_name, timeout=timeout)

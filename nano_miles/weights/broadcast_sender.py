@@ -72,6 +72,9 @@ class BroadcastSender:
         return results
 
     def init_group(self) -> None:
+        # an engine that outlived the trainer (killed, restarted) still holds the old group under this
+        # name, and a group's name can be registered once: drop it, or the engine refuses to join
+        self._drop_engine_groups()
         port = self.master_port
         if port == 0:
             port = free_port()
@@ -100,11 +103,14 @@ class BroadcastSender:
             return
         drop_weight_group(self.group)
         self.group = None
+        self._drop_engine_groups()
+
+    def _drop_engine_groups(self) -> None:
         for e in self.engines:
             try:
                 e.destroy_weights_update_group(self.group_name, 10.0)
             except (EngineError, OSError) as err:  # a restarted engine has no group: nothing to drop
-                log.info("destroy_weights_update_group on %s: %s", e.base_url, err)
+                log.debug("destroy_weights_update_group on %s: %s", e.base_url, err)
 
     def push(self, model: torch.nn.Module, version: int, *, flush_cache: bool = True,
              named=None) -> dict[str, float]:
