@@ -38,6 +38,17 @@ def rank_pid(run: SupervisedRun, rank: int, timeout_s: float = 60) -> int:
     raise AssertionError(f"no rank {rank} under the trainer:\n{run.tail()}")
 
 
+def kill_rank(run: SupervisedRun, rank: int) -> None:
+    """SIGKILL the trainer's rank `rank` and wait until supervisord has started the trainer again and
+    it has trained a step."""
+    launcher, last_step = run.stage_pid("trainer"), max(run.steps(), default=0)
+    os.kill(rank_pid(run, rank), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while run.stage_pid("trainer") == launcher or max(run.steps(), default=0) <= last_step:
+        assert time.monotonic() < deadline, f"no step after killing rank {rank}:\n{run.tail()}"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_a_two_rank_run_learns_and_a_one_process_trainer_continues_it(tmp_path):
     """The sync learning config: 24 steps on 2 ranks, the last 24 in one plain process from the
@@ -82,12 +93,7 @@ def test_kill_9_of_each_rank_the_launcher_and_the_engine_loses_nothing(tmp_path)
     def kill_each_rank(run: SupervisedRun) -> None:
         for rank in (1, 0):
             time.sleep(rng.uniform(0.5, 2.0))
-            launcher, last_step = run.stage_pid("trainer"), max(run.steps(), default=0)
-            os.kill(rank_pid(run, rank), signal.SIGKILL)
-            deadline = time.monotonic() + 120
-            while run.stage_pid("trainer") == launcher or max(run.steps(), default=0) <= last_step:
-                assert time.monotonic() < deadline, f"no step after killing rank {rank}:\n{run.tail()}"
-                time.sleep(0.1)
+            kill_rank(run, rank)
 
     kill_every_stage_twice(tmp_path / "run", [*CHAOS, *TWO_RANKS, "--trainer.num_steps=30"], num_steps=30,
                            batch_groups=8, first=kill_each_rank, stages=("trainer", "engine"))
