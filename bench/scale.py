@@ -1,4 +1,4 @@
-"""Real model sizes on one GPU: the whole pipeline, sync and async, at Qwen2.5's shapes (random weights).
+"""Real model sizes on one GPU or several: the whole pipeline, sync and async, at Qwen2.5's shapes (random weights).
 
 Run (one GPU, SGLang importable; each shape's model directory is built on the first run):
     python bench/scale.py --shapes 0.5b,1.5b,3b [--modes sync,async] [--steps 8] [--models runs/shapes]
@@ -16,7 +16,14 @@ Per run, medians over steps 2..N-1 (step 1 pays first-time costs, the last one e
 score + waiting, train, update), generation tokens/s in the loop (sync: the step's response tokens over
 its generate phase) against SGLang alone, the trainer's tokens/s and MFU (6 x parameters x tokens through
 forward and backward against the GPU's dense bf16 peak), the weight update, samples/s, the trainer's
-peak memory and the whole GPU's (NVML, every process). Writes <name>.json into --out.
+peak memory and all the GPUs' together (NVML, every process). Writes <name>.json into --out.
+
+Several GPUs are the same bench with the layout's keys (docs/scale-out.md), e.g.
+    --engine.colocate=false --engine.weight_transport=distributed --engine.weight_group_backend=nccl
+        --engine.mem_fraction_static=0.8 --name disaggregated    (trainer on GPU 0, SGLang on GPU 1)
+    --engine.colocate=false --engine.replicas=2 --modes sync       (two engines behind the router)
+    --trainer.strategy=fsdp2 --trainer.world_size=2                (a 2-rank trainer, engines beside it)
+"SGLang alone" is always one engine, started as the pipeline's engine 0 is.
 """
 
 from __future__ import annotations

@@ -84,8 +84,9 @@ def print_settings(policy: str, nano: dict, trl: dict) -> list[str]:
 
 
 class DeviceMemory:
-    """The GPU's used memory (NVML, every process) sampled while the block runs: the peak above what
-    was in use when it started, in MiB. None without a GPU or NVML."""
+    """The GPUs' used memory (NVML, every process, summed over every GPU the host has: engines laid out
+    on GPUs of their own count too) sampled while the block runs: the peak above what was in use when
+    it started, in MiB. None without a GPU or NVML."""
 
     def __init__(self, period_s: float = 0.2):
         self.period_s, self.peak_mb, self._stop = period_s, None, threading.Event()
@@ -94,10 +95,12 @@ class DeviceMemory:
         try:
             import pynvml
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         except Exception:  # no NVML library or no GPU: memory is not reported
             return self
-        used = lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20  # noqa: E731
+        if not handles:
+            return self
+        used = lambda: sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles) / 2**20  # noqa: E731
         base = used()
         self.peak_mb = 0.0
 
