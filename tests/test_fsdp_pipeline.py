@@ -85,19 +85,30 @@ def test_a_two_rank_run_learns_and_a_one_process_trainer_continues_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_each_rank_the_launcher_and_the_engine_loses_nothing(tmp_path):
-    """Rank 1 and rank 0 killed on their own (the launcher exits 1, supervisord starts it again), then
-    the launcher (its ranks die with it) and the engine (the trainer pushes to the new one) twice."""
+def test_kill_9_of_each_rank_the_launcher_and_two_engines_on_a_weight_group_loses_nothing(tmp_path):
+    """The layout of several GPUs, gloo in NCCL's place: a 2-rank trainer, two engines behind the
+    router, the weights broadcast over the weight group. Rank 1 and rank 0 are killed on their own
+    (the launcher exits 1, supervisord starts it again), then the launcher (its ranks die with it) and
+    each engine twice; the trainer builds the group again after each restart."""
+    pytest.importorskip("sglang_router")
     rng = random.Random(7)
 
     def kill_each_rank(run: SupervisedRun) -> None:
+        run.wait_for_step(1)  # the weight group is up
         for rank in (1, 0):
             time.sleep(rng.uniform(0.5, 2.0))
             kill_rank(run, rank)
 
-    kill_every_stage_twice(tmp_path / "run", [*CHAOS, *TWO_RANKS, "--trainer.num_steps=30"], num_steps=30,
-                           batch_groups=8, first=kill_each_rank, stages=("trainer", "engine"))
+    layout = ["--engine.replicas=2", "--engine.weight_transport=distributed", "--engine.weight_group_timeout_s=20"]
+    summary = kill_every_stage_twice(tmp_path / "run", [*CHAOS, *TWO_RANKS, *layout, "--trainer.num_steps=30"],
+                                     num_steps=30, batch_groups=8, first=kill_each_rank,
+                                     stages=("trainer", "engine", "engine_1"))
+    assert summary["weight_transport"] == "distributed"
     log = (tmp_path / "run" / "supervisord.log").read_text()
     assert log.count("exited: trainer (exit status 1; not expected)") == 2, log
     # every rank left by itself once rank 0 was gone: none had to wait for the agent's SIGKILL
     assert "forcefully exiting" not in (tmp_path / "run" / "supervisord.out").read_text()
+    # each of the 5 trainer starts builds a group before its first step, and an engine's restart
+    # that the trainer outlives builds another
+    trainer_log = (tmp_path / "run" / "trainer.log").read_text()
+    assert trainer_log.count("weight group weight_update_group ready") >= 6, trainer_log[-3000:]

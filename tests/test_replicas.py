@@ -9,8 +9,6 @@ import re
 import pytest
 
 from harness.supervised_run import SupervisedRun
-from test_chaos import CHAOS, kill_every_stage_twice
-from test_fsdp_pipeline import TWO_RANKS, kill_rank
 
 pytest.importorskip("sglang_router")
 
@@ -52,24 +50,3 @@ def test_two_replicas_behind_the_router_survive_kill_9(tmp_path):
         assert served_versions(text)[-1] == NUM_STEPS, f"{name} does not serve the final weights"
         assert "generation paused" in text, f"{name} was never paused for an update"
     (tmp_path / "kills.json").write_text(json.dumps(killed, default=str))
-
-
-@pytest.mark.slow
-def test_two_engines_a_weight_group_and_two_ranks_lose_nothing_to_kill_9(tmp_path):
-    """The layout of several GPUs, gloo in NCCL's place: two engines behind the router, the weights
-    broadcast over the weight group, a 2-rank trainer. Rank 1 is killed once the group is up, then
-    each engine twice at random times; the trainer builds the group again for every restart."""
-    num_steps = 24
-
-    def kill_rank_1_after_a_step(run: SupervisedRun) -> None:
-        run.wait_for_step(1)
-        kill_rank(run, 1)
-
-    summary = kill_every_stage_twice(
-        tmp_path / "run", [*CHAOS, *TWO_RANKS, "--engine.replicas=2", "--engine.weight_transport=distributed",
-                           "--engine.weight_group_timeout_s=20", f"--trainer.num_steps={num_steps}"],
-        num_steps=num_steps, batch_groups=8, first=kill_rank_1_after_a_step, stages=("engine", "engine_1"))
-    assert summary["weight_transport"] == "distributed"
-    trainer_log = (tmp_path / "run" / "trainer.log").read_text()
-    # a group for the first push, again after the trainer's restart and after each of the 4 engines'
-    assert trainer_log.count("weight group weight_update_group ready") >= 6, trainer_log[-3000:]
