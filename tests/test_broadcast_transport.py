@@ -99,6 +99,15 @@ def test_a_trainer_under_torchrun_hosts_the_groups_store(engine, policy_dir, mon
         sender.close()
 
 
+def test_an_engine_that_refuses_the_group_is_named_in_the_error(engine):
+    """The engine's own reason, not only the rendezvous timeout: a CPU engine refuses an NCCL group."""
+    from nano_miles.weights.broadcast_group import WeightTransportError
+
+    sender = BroadcastSender([EngineClient(engine, timeout_s=30)], backend="nccl", timeout_s=2)
+    with pytest.raises(WeightTransportError, match="rendezvous failed.*an engine answered.*nccl needs a CUDA engine"):
+        sender.init_group()
+
+
 def test_peers_select_broadcast_transport_by_config(engine, policy_dir):
     """The trainer's own update path (pause -> push -> resume) with engine.weight_transport set."""
     import zmq

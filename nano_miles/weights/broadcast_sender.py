@@ -87,7 +87,10 @@ class BroadcastSender:
             group = new_weight_group(self.backend, self.master_address, port, 0, world_size,
                                      self.group_name, self.timeout_s)
         except RuntimeError as e:  # rendezvous timed out: some engine never joined
-            raise WeightTransportError(f"weight group rendezvous failed: {e}") from None
+            # an engine that refused to join answered at once, and its answer says why
+            refusals = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            why = f" (an engine answered: {refusals[0]})" if refusals else ""
+            raise WeightTransportError(f"weight group rendezvous failed: {e}{why}") from None
         try:
             self._wait_all(futures)
         except (EngineError, OSError, TimeoutError):
