@@ -118,14 +118,15 @@ def print_table(shapes: list[dict]) -> None:
           f"{'gen tok/s':>9} {'of alone':>8} {'train tok/s':>11} {'MFU':>5} {'samples/s':>9} "
           f"{'trainer GB':>10} {'GPU GB':>6}")
     for s in shapes:
-        alone = s["standalone"]
-        print(f"{s['shape']:<6} {'SGLang alone':<11} {'':>6} {alone['seconds']:>6.2f} {'':>6} {'':>7} {'':>6} "
-              f"{alone['tokens_per_s']:>9,.0f}")
+        alone = s.get("standalone")  # None: --skip-alone
+        if alone is not None:
+            print(f"{s['shape']:<6} {'SGLang alone':<11} {'':>6} {alone['seconds']:>6.2f} {'':>6} {'':>7} {'':>6} "
+                  f"{alone['tokens_per_s']:>9,.0f}")
         for r in s["runs"]:
             gen = r["loop_generation_tokens_per_s"]
             print(f"{s['shape']:<6} {r['mode']:<11} {r['step_s']:>6.2f} {r['generate_s']:>6.2f} {r['score_wait_s']:>6.2f} "
                   f"{r['train_s']:>7.2f} {r['update_ms']:>6.1f} {'-' if gen is None else format(gen, ',.0f'):>9} "
-                  f"{'-' if gen is None else format(gen / alone['tokens_per_s'], '.0%'):>8} "
+                  f"{'-' if gen is None or alone is None else format(gen / alone['tokens_per_s'], '.0%'):>8} "
                   f"{r['train_tokens_per_s']:>11,.0f} {r['mfu']:>5.0%} {r['samples_per_s']:>9.1f} "
                   f"{r['trainer_peak_gb']:>10.1f} {'-' if r['gpu_peak_gb'] is None else format(r['gpu_peak_gb'], '.1f'):>6}")
 
@@ -141,6 +142,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--name", default="scale", help="the result file's name, without .json")
     parser.add_argument("--keep-logs", action="store_true",
                         help="copy each run's engine and trainer logs to --out/<name>_logs (SGLang's decode lines)")
+    parser.add_argument("--skip-alone", action="store_true",
+                        help="no SGLang-alone run (a comparison of trainer settings needs none): saves an engine start")
     parser.add_argument("--report", type=Path, help="print the table of an earlier result file and stop")
     args, extra = parser.parse_known_args(argv)
     if args.report is not None:
@@ -162,8 +165,9 @@ def main(argv: list[str]) -> int:
         entry = {"shape": shape, "num_parameters": num_parameters(SHAPES[shape]), "runs": []}
         result["shapes"].append(entry)
         with tempfile.TemporaryDirectory(prefix=f"scale-{shape}-") as tmp:
-            print(f"{shape}: SGLang alone on one step's batch ...", flush=True)
-            entry["standalone"] = standalone_generation(cfg, overrides, Path(tmp) / "sglang.log")
+            if not args.skip_alone:
+                print(f"{shape}: SGLang alone on one step's batch ...", flush=True)
+                entry["standalone"] = standalone_generation(cfg, overrides, Path(tmp) / "sglang.log")
             for mode in modes:
                 logs = args.out / f"{args.name}_logs" / shape if args.keep_logs else None
                 entry["runs"].append(pipeline_run(mode, overrides, Path(tmp), entry["num_parameters"], logs))
