@@ -38,17 +38,6 @@ def rank_pid(run: SupervisedRun, rank: int, timeout_s: float = 60) -> int:
     raise AssertionError(f"no rank {rank} under the trainer:\n{run.tail()}")
 
 
-def kill_rank(run: SupervisedRun, rank: int) -> None:
-    """SIGKILL the trainer's rank `rank` and wait until supervisord has started the trainer again and
-    it has trained a step."""
-    launcher, last_step = run.stage_pid("trainer"), max(run.steps(), default=0)
-    os.kill(rank_pid(run, rank), signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while run.stage_pid("trainer") == launcher or max(run.steps(), default=0) <= last_step:
-        assert time.monotonic() < deadline, f"no step after killing rank {rank}:\n{run.tail()}"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_a_two_rank_run_learns_and_a_one_process_trainer_continues_it(tmp_path):
     """The sync learning config: 24 steps on 2 ranks, the last 24 in one plain process from the
@@ -97,7 +86,12 @@ def test_kill_9_of_each_rank_the_launcher_and_two_engines_on_a_weight_group_lose
         run.wait_for_step(1)  # the weight group is up
         for rank in (1, 0):
             time.sleep(rng.uniform(0.5, 2.0))
-            kill_rank(run, rank)
+            launcher, last_step = run.stage_pid("trainer"), max(run.steps(), default=0)
+            os.kill(rank_pid(run, rank), signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while run.stage_pid("trainer") == launcher or max(run.steps(), default=0) <= last_step:
+                assert time.monotonic() < deadline, f"no step after killing rank {rank}:\n{run.tail()}"
+                time.sleep(0.1)
 
     layout = ["--engine.replicas=2", "--engine.weight_transport=distributed", "--engine.weight_group_timeout_s=20"]
     summary = kill_every_stage_twice(tmp_path / "run", [*CHAOS, *TWO_RANKS, *layout, "--trainer.num_steps=30"],

@@ -88,7 +88,7 @@ class BroadcastSender:
                                      self.group_name, self.timeout_s)
         except RuntimeError as e:  # rendezvous timed out: some engine never joined
             # an engine that refused to join answered at once, and its answer says why
-            refusals = [f.exception() for f in futures if f.done() and f.exception() is not None]
+            refusals = [e for e in (f.exception() for f in futures if f.done()) if e is not None]
             why = f" (an engine answered: {refusals[0]})" if refusals else ""
             raise WeightTransportError(f"weight group rendezvous failed: {e}{why}") from None
         try:
@@ -138,7 +138,10 @@ class BroadcastSender:
                 self._wait_all(futures)
                 del bucket  # a gathered bucket goes before the next is gathered
         except (WeightTransportError, EngineError, OSError):
-            self.close()  # a half-done update leaves the group out of step: build a new one next time
+            # a half-done update leaves the group out of step: the next update builds a new one, and
+            # init_group tells the engines to drop theirs first, so they are not told twice
+            drop_weight_group(self.group)
+            self.group = None
             raise
         return {"gather_s": 0.0, "serialize_s": 0.0, "apply_s": time.perf_counter() - t0,
                 "total_s": time.perf_counter() - t0}
