@@ -59,11 +59,13 @@ PHASES = PRODUCER_PHASES + TRAINER_PHASES + ("eval",)
 
 
 def run_variant(name: str, seed: int, overrides: list[str], root: Path) -> dict:
+    from harness.learning_runs import follow
     from harness.supervised_run import SupervisedRun
     print(f"running {name}, seed {seed} ...", flush=True)
     run = SupervisedRun(root / run_dir_name(name, seed), overrides + [f"--run.seed={seed}"]).start()
     try:
-        if run.wait(timeout_s=3600) != 0 or not (run.run_dir / "summary.json").exists():
+        follow(run, timeout_s=3600)  # the trainer's step lines as they come: a cut run shows how far it got
+        if run.proc.returncode != 0 or not (run.run_dir / "summary.json").exists():
             raise SystemExit(f"{name} (seed {seed}) failed:\n{run.tail()}")
     finally:
         run.stop()
