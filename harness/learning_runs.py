@@ -56,8 +56,9 @@ def follow(run, timeout_s: float) -> None:
     """Print the trainer's step lines as they come, until the run ends."""
     log_path, offset = run.run_dir / "trainer.log", 0
     deadline = time.monotonic() + timeout_s
-    while run.proc.poll() is None:
-        if time.monotonic() > deadline:
+    while True:
+        has_ended = run.proc.poll() is not None  # then one last read: the final step's line comes just before the end
+        if not has_ended and time.monotonic() > deadline:
             run.stop()
             raise SystemExit(f"run did not finish in {timeout_s:.0f}s; logs in {run.run_dir}")
         if log_path.exists():
@@ -69,6 +70,8 @@ def follow(run, timeout_s: float) -> None:
             for line in complete.decode(errors="replace").splitlines():
                 if " step " in line or "held-out" in line:
                     print(line, flush=True)
+        if has_ended:
+            return
         time.sleep(1.0)
 
 
