@@ -15,7 +15,7 @@ runs to max_new_tokens: a fixed-length benchmark. Nothing it learns means anythi
 Per run, medians over steps 2..N-1 (step 1 pays first-time costs, the last one evaluates): seconds a step and its split (generate,
 score + waiting, train, update), generation tokens/s in the loop (sync: the step's response tokens over
 its generate phase) against SGLang alone, the trainer's tokens/s and MFU (6 x parameters x tokens through
-forward and backward against the GPU's dense bf16 peak), the weight update, samples/s, the trainer's
+forward and backward, 4 x for LoRA's frozen base, against the GPU's dense bf16 peak), the weight update, samples/s, the trainer's
 peak memory and all the GPUs' together (NVML, every process). Writes <name>.json into --out.
 
 Several GPUs are the same bench with the layout's keys (docs/scale-out.md), e.g.
@@ -83,7 +83,7 @@ def standalone_generation(cfg, overrides: list[str], log: Path) -> dict:
     return {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
-def pipeline_run(mode: str, overrides: list[str], root: Path, num_params: int, logs: Path | None) -> dict:
+def pipeline_run(mode: str, overrides: list[str], root: Path, flops_per_token: float, logs: Path | None) -> dict:
     from staleness import run_dir_name, run_variant
     from vs_trl import DeviceMemory
 
@@ -107,7 +107,7 @@ def pipeline_run(mode: str, overrides: list[str], root: Path, num_params: int, l
             "update_ms": median("update_ms"),
             "loop_generation_tokens_per_s": (median("num_tokens") / generate_s) if mode == "sync" and generate_s else None,
             "train_tokens_per_s": train_tokens_per_s,
-            "mfu": 6 * num_params * train_tokens_per_s / PEAK_BF16_FLOPS,
+            "mfu": flops_per_token * train_tokens_per_s / PEAK_BF16_FLOPS,
             "samples_per_s": statistics.median(r["num_samples"] / r["step_s"] for r in records),
             "trainer_peak_gb": max(r["peak_memory_mb"] for r in records) / 1024,
             "gpu_peak_gb": None if memory.peak_mb is None else memory.peak_mb / 1024}
@@ -163,6 +163,8 @@ def main(argv: list[str]) -> int:
         overrides = BASE + [f"--model.path={model_dir}", f"--trainer.num_steps={args.steps}"] + extra
         cfg = load_config(REPO_ROOT / CONFIG, overrides=overrides)
         entry = {"shape": shape, "num_parameters": num_parameters(SHAPES[shape]), "runs": []}
+        # forward 2 N a token, backward 4 N; frozen weights (LoRA) need no weight gradients: 2 N of it
+        entry["flops_per_token"] = (4 if cfg.trainer.lora_rank else 6) * entry["num_parameters"]
         result["shapes"].append(entry)
         with tempfile.TemporaryDirectory(prefix=f"scale-{shape}-") as tmp:
             if not args.skip_alone:
@@ -170,7 +172,7 @@ def main(argv: list[str]) -> int:
                 entry["standalone"] = standalone_generation(cfg, overrides, Path(tmp) / "sglang.log")
             for mode in modes:
                 logs = args.out / f"{args.name}_logs" / shape if args.keep_logs else None
-                entry["runs"].append(pipeline_run(mode, overrides, Path(tmp), entry["num_parameters"], logs))
+                entry["runs"].append(pipeline_run(mode, overrides, Path(tmp), entry["flops_per_token"], logs))
                 write_result(args.out / f"{args.name}.json", result, is_complete=False)  # a cut bench keeps its runs
                 print_table([entry])
     write_result(args.out / f"{args.name}.json", result, is_complete=True)
