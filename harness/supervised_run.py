@@ -131,7 +131,11 @@ class SupervisedRun:
                 "next_step": self.steps().get(last_step + 1)}
 
     def summary(self) -> dict:
-        return json.loads((self.run_dir / "summary.json").read_text())
+        """The run's summary.json; a run that ended without one failed (supervisord itself exits 0 after
+        run_end shuts it down), so say why rather than FileNotFoundError."""
+        path = self.run_dir / "summary.json"
+        assert path.exists(), f"the run wrote no summary.json:\n{self.tail()}"
+        return json.loads(path.read_text())
 
     def stop(self) -> None:
         """Tear down supervisord and every stage it started, whatever state they are in (also a stage

@@ -21,6 +21,7 @@ leaves by itself within a second of rank 0's end (`leave_with`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -51,9 +52,11 @@ def launch(script: str, argv: list[str], world_size: int) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ["NANOMILES_STAGE_PID"] = str(os.getpid())  # whom rank 0's heartbeat names: supervisord's child
+    # torch before 2.13 has no `shutdown_timeout` (its ranks get 30 s between SIGTERM and SIGKILL)
+    grace = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if "shutdown_timeout" in inspect.signature(LaunchConfig).parameters else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # --standalone: a free port
-                          max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                          max_restarts=0, monitor_interval=0.1, **grace)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     try:
         elastic_launch(config, entrypoint=sys.executable)(script, *argv)
