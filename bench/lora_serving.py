@@ -20,12 +20,10 @@ Writes <name>.json into --out.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,20 +37,24 @@ from nano_miles.run.config import load_config  # noqa: E402
 ADAPTER = "policy"  # the name the engine serves the adapter under
 
 
-def post(url: str, body: dict, timeout_s: float = 600) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-        return json.loads(answer.read())
+def adapter_client(url: str):
+    """An `EngineClient` whose requests are all served through the adapter, and which swaps it."""
+    from nano_miles.engine.client import EngineClient
 
+    class AdapterClient(EngineClient):
+        def generate(self, batch: list[list[int]], sampling: dict) -> list[dict]:
+            return self._call("POST", "/generate", {"input_ids": batch, "sampling_params": sampling,
+                                                    "lora_path": ADAPTER})
 
-class AdapterClient:
-    """`generate(batch, sampling)` as `EngineClient`'s, every request served through the adapter."""
+        def load_adapter(self, directory: Path) -> None:
+            loaded = self._call("POST", "/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(directory)})
+            if not loaded.get("success", False):
+                raise RuntimeError(f"the engine refused the adapter: {loaded.get('error_message')}")
 
-    def __init__(self, url: str):
-        self.url = url
+        def unload_adapter(self) -> None:
+            self._call("POST", "/unload_lora_adapter", {"lora_name": ADAPTER})
 
-    def generate(self, batch: list[list[int]], sampling: dict) -> list[dict]:
-        return post(f"{self.url}/generate", {"input_ids": batch, "sampling_params": sampling, "lora_path": ADAPTER})
+    return AdapterClient(url)
 
 
 def adapted_model(model_dir: Path, rank: int):
@@ -72,15 +74,13 @@ def adapted_model(model_dir: Path, rank: int):
     return model.to("cuda")
 
 
-def swap_adapter(url: str, model, directory: Path) -> dict:
+def swap_adapter(client, model, directory: Path) -> dict:
     """One update of the adapter path: write the adapter directory, unload the served one, load it again."""
     started = time.perf_counter()
     model.save_pretrained(directory)
     written = time.perf_counter()
-    post(f"{url}/unload_lora_adapter", {"lora_name": ADAPTER})
-    loaded = post(f"{url}/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(directory)})
-    if not loaded.get("success", False):
-        raise RuntimeError(f"the engine refused the adapter: {loaded.get('error_message')}")
+    client.unload_adapter()
+    client.load_adapter(directory)
     return {"write_ms": (written - started) * 1e3, "total_ms": (time.perf_counter() - started) * 1e3}
 
 
@@ -106,10 +106,11 @@ def measure_shape(shape: str, model_dir: Path, rank: int, num_updates: int, root
     proc, url = launch(model_dir, root / "adapter.log", overrides + [f"--engine.extra_args='{lora_args}'"],
                        timeout_s=900, stop=stop_sglang, is_new_session=True)
     try:
+        client = adapter_client(url)
         model.save_pretrained(root / "adapter")
-        post(f"{url}/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(root / "adapter")})
-        updates = [swap_adapter(url, model, root / "adapter") for _ in range(num_updates)]
-        seconds, tokens = timed_generation(AdapterClient(url), cfg, prompts)
+        client.load_adapter(root / "adapter")
+        updates = [swap_adapter(client, model, root / "adapter") for _ in range(num_updates)]
+        seconds, tokens = timed_generation(client, cfg, prompts)
     finally:
         stop_sglang(proc)
     out["adapter"] = {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds,
