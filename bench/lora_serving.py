@@ -31,30 +31,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.model_shapes import SHAPES, built  # noqa: E402
 from harness.result_file import write_result  # noqa: E402
 from harness.servers import REPO_ROOT  # noqa: E402
+from nano_miles.engine.client import EngineClient  # noqa: E402
 from nano_miles.run.cli import ArgumentParser, UserError, run  # noqa: E402
 from nano_miles.run.config import load_config  # noqa: E402
 
 ADAPTER = "policy"  # the name the engine serves the adapter under
 
 
-def adapter_client(url: str):
+class AdapterClient(EngineClient):
     """An `EngineClient` whose requests are all served through the adapter, and which swaps it."""
-    from nano_miles.engine.client import EngineClient
 
-    class AdapterClient(EngineClient):
-        def generate(self, batch: list[list[int]], sampling: dict) -> list[dict]:
-            return self._call("POST", "/generate", {"input_ids": batch, "sampling_params": sampling,
-                                                    "lora_path": ADAPTER})
+    def generate(self, batch: list[list[int]], sampling: dict) -> list[dict]:
+        return self._call("POST", "/generate", {"input_ids": batch, "sampling_params": sampling, "lora_path": ADAPTER})
 
-        def load_adapter(self, directory: Path) -> None:
-            loaded = self._call("POST", "/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(directory)})
-            if not loaded.get("success", False):
-                raise RuntimeError(f"the engine refused the adapter: {loaded.get('error_message')}")
+    def load_adapter(self, directory: Path) -> None:
+        loaded = self._call("POST", "/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(directory)})
+        if not loaded.get("success", False):
+            raise RuntimeError(f"the engine refused the adapter: {loaded.get('error_message')}")
 
-        def unload_adapter(self) -> None:
-            self._call("POST", "/unload_lora_adapter", {"lora_name": ADAPTER})
-
-    return AdapterClient(url)
+    def unload_adapter(self) -> None:
+        self._call("POST", "/unload_lora_adapter", {"lora_name": ADAPTER})
 
 
 def adapted_model(model_dir: Path, rank: int):
@@ -85,32 +81,24 @@ def swap_adapter(client, model, directory: Path) -> dict:
 
 
 def measure_shape(shape: str, model_dir: Path, rank: int, num_updates: int, root: Path) -> dict:
-    from scale import BASE, CONFIG, step_prompts, timed_generation
+    from scale import BASE, CONFIG, standalone_generation, step_prompts, timed_generation
 
     from harness.servers import launch, stop_sglang
-    from nano_miles.engine.client import EngineClient
     overrides = BASE + [f"--model.path={model_dir}"]
     cfg = load_config(REPO_ROOT / CONFIG, overrides=overrides)
-    prompts = step_prompts(cfg)
-    out = {"shape": shape, "rank": rank}
     print(f"{shape}: merged weights (the plain server) ...", flush=True)
-    proc, url = launch(model_dir, root / "merged.log", overrides, timeout_s=900, stop=stop_sglang, is_new_session=True)
-    try:
-        seconds, tokens = timed_generation(EngineClient(url), cfg, prompts)
-    finally:
-        stop_sglang(proc)
-    out["merged"] = {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds}
+    out = {"shape": shape, "rank": rank, "merged": standalone_generation(cfg, overrides, root / "merged.log")}
     print(f"{shape}: the adapter served by SGLang's LoRA kernels ...", flush=True)
     model = adapted_model(model_dir, rank)
     lora_args = f"{cfg.engine.extra_args} --enable-lora --max-lora-rank {rank} --lora-target-modules all"
     proc, url = launch(model_dir, root / "adapter.log", overrides + [f"--engine.extra_args='{lora_args}'"],
                        timeout_s=900, stop=stop_sglang, is_new_session=True)
     try:
-        client = adapter_client(url)
+        client = AdapterClient(url)
         model.save_pretrained(root / "adapter")
         client.load_adapter(root / "adapter")
         updates = [swap_adapter(client, model, root / "adapter") for _ in range(num_updates)]
-        seconds, tokens = timed_generation(client, cfg, prompts)
+        seconds, tokens = timed_generation(client, cfg, step_prompts(cfg))
     finally:
         stop_sglang(proc)
     out["adapter"] = {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds,
@@ -120,7 +108,8 @@ def measure_shape(shape: str, model_dir: Path, rank: int, num_updates: int, root
 
 
 def print_table(shapes: list[dict]) -> None:
-    print(f"\n{'shape':<6} {'served as':<9} {'gen s':>6} {'tokens/s':>9} {'of merged':>9} {'update ms':>9} {'(write ms)':>10}")
+    print(f"\n{'shape':<6} {'served as':<9} {'gen s':>6} {'tokens/s':>9} {'of merged':>9} {'update ms':>9} "
+          f"{'(write ms)':>10}")
     for s in shapes:
         merged, adapter = s["merged"], s.get("adapter")
         print(f"{s['shape']:<6} {'merged':<9} {merged['seconds']:>6.2f} {merged['tokens_per_s']:>9,.0f} {'':>9} "

@@ -53,7 +53,8 @@ def launch(script: str, argv: list[str], world_size: int) -> int:
 
     os.environ["NANOMILES_STAGE_PID"] = str(os.getpid())  # whom rank 0's heartbeat names: supervisord's child
     # torch before 2.13 has no `shutdown_timeout` (its ranks get 30 s between SIGTERM and SIGKILL)
-    grace = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if "shutdown_timeout" in inspect.signature(LaunchConfig).parameters else {}
+    has_grace = "shutdown_timeout" in inspect.signature(LaunchConfig).parameters
+    grace = {"shutdown_timeout": SHUTDOWN_TIMEOUT_S} if has_grace else {}
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # --standalone: a free port
                           max_restarts=0, monitor_interval=0.1, **grace)
