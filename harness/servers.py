@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -77,11 +78,21 @@ def start_local_engine(model_dir: Path | str, log_path: Path, *,
     return launch(model_dir, log_path, ["--engine.kind=local"], timeout_s, stop_process)
 
 
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, `kill`) end this process through its `finally` blocks. A server or
+    supervisord started in a session of its own never sees a signal sent to this process, so without
+    this a killed bench leaves them running (on a GPU: holding its memory)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def spawn_server(cmd: list[str], log_path: Path, url: str, timeout_s: float, stop, *,
                  is_new_session: bool = False) -> tuple[subprocess.Popen, str]:
     """Start an HTTP server process logging to `log_path`; return once `url`/health answers.
 
     On failure the process is stopped with `stop(proc)` and the log's tail is in the error."""
+    if is_new_session:
+        unwind_on_sigterm()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from harness.servers import REPO_ROOT as REPO
-from harness.servers import free_port, free_ports_in_a_row
+from harness.servers import free_port, free_ports_in_a_row, unwind_on_sigterm
 from nano_miles.run.sections import MAX_REPLICAS
 from nano_miles.run.process import processes_of_run
 from nano_miles.observe.run_record import read_jsonl
@@ -56,6 +56,7 @@ class SupervisedRun:
         # appended to, not written at an offset: the trainer's log reaches the same file through a
         # second open of /dev/stdout (supervisord.conf), and the two would overwrite each other
         self.output.write_bytes(b"")
+        unwind_on_sigterm()  # supervisord runs in a session of its own: a killed caller must stop it
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
                                      cwd=REPO, env=self.env, stdout=self.output.open("ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,10 +1,19 @@
-"""A bench's result file after every finished run: a bench cut short leaves valid JSON with what it finished."""
+"""A bench's result file after every finished run: a bench cut short leaves valid JSON with what it finished;
+a bench killed leaves no process of its runs behind."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
 from harness.result_file import write_result
+from harness.servers import REPO_ROOT
+from nano_miles.run.process import processes_of_run
 
 
 def bench(path, num_runs: int, fail_at: int | None = None) -> None:
@@ -65,3 +74,35 @@ def test_quoted_figures_come_from_finished_benches_only(tmp_path, monkeypatch):
         quoted.resolve(num_params)
     write_result(tmp_path / quoted.WS_CPU, {"rows": rows}, is_complete=True)
     assert quoted.resolve(num_params) == 812_000
+
+
+def test_a_bench_killed_with_sigterm_stops_the_run_it_started(tmp_path):
+    """supervisord runs in a session of its own, so `timeout` or `kill` on a bench never reaches it: the
+    bench must stop it on its way out (on a GPU a leftover run holds the memory the next one needs)."""
+    run_dir = tmp_path / "run"
+    bench_like = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from harness.supervised_run import SupervisedRun
+        run = SupervisedRun(Path({str(run_dir)!r}), ["--trainer.num_steps=1000"]).start()
+        try:
+            run.wait_for_socket()
+            print(run.proc.pid, flush=True)
+            time.sleep(600)
+        finally:
+            run.stop()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", bench_like], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        supervisord = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not processes_of_run(run_dir):  # the stages are up: there is something to leave behind
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    with pytest.raises(ProcessLookupError):
+        os.kill(supervisord, 0)
+    assert processes_of_run(run_dir) == {}
