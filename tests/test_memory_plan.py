@@ -40,17 +40,24 @@ def test_checkpointing_only_where_the_memory_needs_it():
         plan(shape("7b"), H200, 0.3)
 
 
-def test_the_estimate_is_above_the_measured_peaks_and_near_them():
-    """Pipeline runs on an H200: the 0.5B shape in 16 k-token micro-batches with checkpointing (before
-    packing) and without (after), the 1.5B shape in the plan's own choice (8 k, none); the plan errs high,
-    by at most 15 %."""
-    runs = [("scale_0.5b_before.json", "0.5b", 16384, True), ("scale_0.5b_async.json", "0.5b", 16384, False),
-            ("scale_1.5b_sync.json", "1.5b", 8192, False)]
-    for file, name, tokens, checkpointing in runs:
+def test_the_estimate_is_above_the_measured_peaks_and_near_them(tmp_path):
+    """Pipeline runs beside SGLang (bf16 engine, flat weight push, bf16 autocast): full fine-tunes of the
+    0.5B shape in 16 k-token micro-batches with checkpointing (before packing) and without (after) and of
+    the 1.5B shape in 8 k without, LoRA of rank 16 at 1.5B (8 k, none) and at 7B (32 k, checkpointing).
+    The plan errs high, by at most 30 %; without the push buffer and the autocast casts it said 40.6
+    GiB for the 7B run, which peaked at 47.7."""
+    runs = [("scale_0.5b_before.json", "0.5b", 16384, True, 0), ("scale_0.5b_async.json", "0.5b", 16384, False, 0),
+            ("scale_1.5b_sync.json", "1.5b", 8192, False, 0), ("lora_sync.json", "1.5b", 8192, False, 16),
+            ("lora_7b.json", "7b", 32768, True, 16)]
+    for file, name, tokens, checkpointing, rank in runs:
         peak_gib = json.loads((GPU_RESULTS / file).read_text())["shapes"][0]["runs"][0]["trainer_peak_gb"]
-        s = shape(name)
-        estimate = (s.num_parameters * 16 + memory_plan.FIXED_GIB * GIB + s.activation_bytes(tokens, checkpointing)) / GIB
-        assert peak_gib * 0.98 <= estimate <= peak_gib * 1.15, (file, peak_gib, estimate)
+        shape_config(name).save_pretrained(tmp_path / name)
+        s = Shape.of(tmp_path / name)
+        adapters = s.adapter_parameters(rank, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"])
+        _, fixed = memory_plan.footprint(s, adapters=adapters, base_bytes=2, push_bytes=2, is_autocast=True)
+        estimate = (fixed + s.activation_bytes(tokens, checkpointing)) / GIB
+        assert peak_gib <= estimate <= peak_gib * 1.3, (file, peak_gib, estimate)
     assert plan(shape("1.5b"), H200, 0.3).micro_batch_tokens == 8192  # what that run was planned with
 
 
@@ -60,8 +67,15 @@ def test_the_plan_reads_any_model_directory_and_goes_into_the_config(tmp_path, p
     assert Shape.of(policy_dir).num_parameters == sum(p.numel() for p in model.parameters())
     shape_config("1.5b").save_pretrained(tmp_path)  # a config.json is all the plan reads
     assert dataclasses.replace(Shape.of(tmp_path), linear_sizes={}, layer_parameters=0) == shape("1.5b")
-    cfg = load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang", "--trainer.memory_plan=true"])
+    gpu_keys = ["--engine.kind=sglang", "--engine.mem_fraction_static=0.3", "--engine.dtype=bfloat16",
+                "--trainer.dtype=bfloat16"]  # configs/gsm8k_qwen.toml's
+    cfg = load_config(overrides=[f"--model.path={tmp_path}", *gpu_keys, "--trainer.memory_plan=true"])
     chosen = memory_plan.plan_for(cfg, H200)
+    # its weight push's flat buffer and autocast's bf16 casts: 2 B a parameter each
+    assert chosen.peak_gib == pytest.approx(plan(shape("1.5b"), H200, 0.3).peak_gib + 4 * shape("1.5b").num_parameters / GIB)
+    # weights broadcast over a process group need no flat buffer
+    assert memory_plan.plan_for(load_config(overrides=[f"--model.path={tmp_path}", *gpu_keys,
+                                                       "--engine.weight_transport=distributed"]), H200).peak_gib == pytest.approx(chosen.peak_gib - 2 * shape("1.5b").num_parameters / GIB)
     planned = memory_plan.apply(cfg, chosen)
     assert (planned.trainer.micro_batch_tokens, planned.trainer.gradient_checkpointing) == (8192, False)
     assert planned.trainer.lr == cfg.trainer.lr and planned.engine == cfg.engine

@@ -9,16 +9,21 @@ The estimate, per GPU byte (bf16 autocast, fp32 master weights):
   state        16 B a parameter: fp32 weights, gradients and AdamW's two moments (+ 2 B for the bf16
                reference with a KL penalty); with LoRA 16 B an adapter parameter and the frozen base's
                own (2 B in bf16)
+  copies       2 B a parameter for the flat weight push's buffer (the whole model in the engine's dtype,
+               kept between pushes: SGLang beside the trainer, `engine.weight_transport = "tensor"`);
+               2 B more for a full fine-tune under bf16 autocast, whose bf16 casts of the fp32 weights
+               live from the forward pass to the backward (a LoRA base in bf16 is used as it is)
   fixed        FIXED_GIB: the output head's chunk of fp32 logits and what surrounds it (grpo.py), the
                allocator's slack
   activations  per token of a micro-batch, without checkpointing: every layer keeps ~(38 h + 9 i) bytes
                (h the hidden size, i the MLP's); with it, each layer keeps its fp32 input (4 h) and one
                layer at a time is recomputed; both times ACTIVATION_MARGIN
-The coefficients were fitted on one H200 at the Qwen2.5-0.5B shape (bench/results/gpu/README.md, "Real
-model shapes"): 16 k-token micro-batches peaked at 36.0 GiB without checkpointing (the plan says 40.7)
-and 11.8 GiB with it (the plan says 12.1). The trainer's share is the GPU less the engine's static
-fraction (engine.mem_fraction_static, when SGLang runs on this GPU) less ENGINE_RESERVE_GIB for what
-SGLang allocates beyond it (CUDA graphs, prefill activations).
+The activation coefficients were fitted on one H200 at the Qwen2.5-0.5B shape; against the trainer peaks
+measured since (bench/results/gpu/README.md, "Real model shapes": full fine-tunes at 0.5B and 1.5B, LoRA
+at 1.5B and 7B, with checkpointing and without) the whole estimate errs high by 13 to 30 %; before the
+copies were counted it said 40.6 GiB for a 7B LoRA run that peaked at 47.7. The trainer's share is the
+GPU less the engine's static fraction (engine.mem_fraction_static, when SGLang runs on this GPU) less
+ENGINE_RESERVE_GIB for what SGLang allocates beyond it (CUDA graphs, prefill activations).
 
 Sharded over N ranks (`trainer.strategy = "fsdp2"`, `trainer.world_size = N`), each GPU keeps 1/N of the
 state, and FSDP2 gathers full fp32 units as it goes: the root (embeddings, head, final norm) stays
@@ -47,6 +52,7 @@ ACTIVATION_MARGIN = 1.1
 ENGINE_RESERVE_GIB = 8.0
 NO_CHECKPOINT_TOKENS = (32768, 16384, 8192)
 CHECKPOINT_TOKENS = (32768, 16384, 8192, 4096, 2048)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # engine.dtype's, for the push buffer
 
 
 @dataclass
@@ -114,13 +120,9 @@ class Shape:
         return ACTIVATION_MARGIN * kept * tokens
 
 
-def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference: bool = False,
-         adapters: int = 0, base_bytes: int = 4, world: int = 1) -> Plan:
-    """The micro-batch size and checkpointing for a model of `shape` on a GPU of `gpu_bytes` of which an
-    engine holds `engine_fraction` (0: none); UserError if nothing fits. `adapters` > 0: LoRA, that many
-    trained parameters on a frozen base of `base_bytes` a parameter (whose reference costs nothing).
-    `world` > 1: the state sharded over that many ranks (FSDP2), each GPU planned alike."""
-    available = gpu_bytes * (1 - engine_fraction) - (ENGINE_RESERVE_GIB * GIB if engine_fraction else 0)
+def footprint(shape: Shape, *, with_reference: bool = False, adapters: int = 0, base_bytes: int = 4,
+              world: int = 1, push_bytes: int = 0, is_autocast: bool = False) -> tuple[float, float]:
+    """(state, everything but the activations) in bytes on each GPU; the keys as `plan`'s."""
     if adapters:
         state = shape.num_parameters * base_bytes + adapters * 16
     else:
@@ -129,7 +131,20 @@ def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference
     root, layer = shape.units()
     # FSDP2's full fp32 units: the root and its gradient all step, a layer, the next and a layer's gradient
     gathered = 4 * (2 * root + 3 * layer) if world > 1 else 0
-    base = state + gathered + FIXED_GIB * GIB
+    casts = 2 * shape.num_parameters if is_autocast and not adapters and world == 1 else 0
+    return state, state + gathered + shape.num_parameters * push_bytes + casts + FIXED_GIB * GIB
+
+
+def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, **keys) -> Plan:
+    """The micro-batch size and checkpointing for a model of `shape` on a GPU of `gpu_bytes` of which an
+    engine holds `engine_fraction` (0: none); UserError if nothing fits. The keys, all optional:
+    `adapters` > 0: LoRA, that many trained parameters on a frozen base of `base_bytes` a parameter
+    (whose reference costs nothing), else `with_reference` (a KL penalty's bf16 copy); `world` > 1: the
+    state sharded over that many ranks (FSDP2), each GPU planned alike; `push_bytes`: a parameter's share
+    of the weight push's flat buffer; `is_autocast`: bf16 compute on fp32 weights."""
+    available = gpu_bytes * (1 - engine_fraction) - (ENGINE_RESERVE_GIB * GIB if engine_fraction else 0)
+    state, base = footprint(shape, **keys)
+    world, adapters = keys.get("world", 1), keys.get("adapters", 0)
     for checkpointing, budgets in ((False, NO_CHECKPOINT_TOKENS), (True, CHECKPOINT_TOKENS)):
         for tokens in budgets:
             peak = base + shape.activation_bytes(tokens, checkpointing)
@@ -152,10 +167,14 @@ def engine_fraction(cfg) -> float:
 
 def plan_for(cfg, gpu_bytes: int, shape: Shape | None = None) -> Plan:
     """The plan for `cfg`'s model (`shape`, when the caller has read it already) and trainer settings."""
-    t, shape = cfg.trainer, shape or Shape.of(cfg.model_dir)
+    t, e, shape = cfg.trainer, cfg.engine, shape or Shape.of(cfg.model_dir)
+    is_sharded = t.strategy == "fsdp2"
+    # the flat buffer: SGLang started by this run, weights pushed from one unsharded model (tensor_sender.py)
+    is_flat = e.kind == "sglang" and not e.urls and e.weight_transport == "tensor" and not is_sharded
     return plan(shape, gpu_bytes, engine_fraction(cfg), with_reference=t.kl_coef > 0,
                 adapters=shape.adapter_parameters(t.lora_rank, t.lora_target_modules),
-                base_bytes=2 if t.dtype == "bfloat16" else 4, world=t.world_size if t.strategy == "fsdp2" else 1)
+                base_bytes=2 if t.dtype == "bfloat16" else 4, world=t.world_size if is_sharded else 1,
+                push_bytes=DTYPE_BYTES[e.dtype] if is_flat else 0, is_autocast=t.dtype == "bfloat16")
 
 
 def apply(cfg, chosen: Plan):
