@@ -16,7 +16,8 @@ from nano_miles.run.sections import TrainerConfig
 from nano_miles.stages.trainer import lora
 from nano_miles.stages.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from nano_miles.stages.trainer.learner import Learner
-from nano_miles.weights.named_tensors import WeightUpdateError, trainable_named_tensors
+from nano_miles.weights.named_tensors import (WeightUpdateError, base_parts, merged_weight,
+                                             trainable_named_tensors)
 from test_learner import TEMPERATURE, make_samples
 
 LORA = dict(lora_rank=4, lora_alpha=8.0)
@@ -61,6 +62,34 @@ def test_the_engine_is_sent_the_merged_model(base):
         merged = model.merge_and_unload()  # PEFT's own merge, for comparison (changes `model`)
     for (name, t), (_, expected) in zip(sent, merged.named_parameters()):
         assert torch.allclose(t, expected, atol=1e-6), name
+
+
+def test_a_merge_into_the_push_buffer_is_the_fp32_merge_in_its_dtype(base, policy_dir):
+    """The flat push merges straight into its buffer: into fp32 bit for bit the fp32 merge; into bf16, from
+    a bf16 base and fp32 adapters (the GPU configs'), the fp32 merge rounded, within bf16's rounding."""
+    model = lora.wrap(base(), TrainerConfig(**LORA))
+    trained(model, **LORA)
+    for _, _, layer in base_parts(model):
+        if layer is not None:
+            expected = merged_weight(layer)
+            assert torch.equal(merged_weight(layer, out=torch.empty_like(expected)), expected)
+    bf16_base = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.bfloat16)
+    model = lora.wrap(bf16_base, TrainerConfig(**LORA, dtype="bfloat16"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(std=0.05)  # adapters far from zero (B starts at 0)
+    layers = [layer for _, _, layer in base_parts(model) if layer is not None]
+    assert layers and all(layer.lora_A[a].weight.dtype == torch.float32 for layer in layers for a in layer.active_adapters)
+    for layer in layers:
+        expected = merged_weight(layer).to(torch.bfloat16)
+        got = merged_weight(layer, out=torch.empty_like(expected))
+        assert (expected != layer.base_layer.weight).float().mean() > 0.5  # the adapters change the weight
+        # apart by a rounding of the result and of A and B (bf16's step: 2^-8 relative, 2^-7 as a bound)
+        a, b = (m[layer.active_adapters[0]].weight.detach() for m in (layer.lora_A, layer.lora_B))
+        bound = 2**-7 * (expected.float().abs() + layer.scaling[layer.active_adapters[0]] * (b.abs() @ a.abs()))
+        assert ((got.float() - expected.float()).abs() <= bound).all()
 
 
 def test_the_kl_reference_is_the_base_with_its_adapters_off(base):

@@ -14,7 +14,7 @@ import torch
 from nano_miles.engine.client import uses_update_sessions
 from nano_miles.weights import flat_receiver
 from nano_miles.weights.flat_receiver import ALIGN_BYTES, flat_view
-from nano_miles.weights.named_tensors import has_adapters, merged_named_tensors, trainable_named_tensors
+from nano_miles.weights.named_tensors import base_parts, has_adapters, merged_weight, trainable_named_tensors
 
 # what SGLang must have been started with as --custom-weight-loader (nano_miles/engine/launch.py does)
 LOADER = f"{flat_receiver.__name__}.{flat_receiver.load_flat.__name__}"
@@ -29,7 +29,7 @@ class FlatSender:
 
     def _build(self, model: torch.nn.Module) -> None:
         is_lora = has_adapters(model)  # its merged weights are made one at a time, never kept
-        named = merged_named_tensors(model) if is_lora else trainable_named_tensors(model)
+        named = [(n, p) for n, p, _ in base_parts(model)] if is_lora else trainable_named_tensors(model)
         layout, offset, device, self.sources = [], 0, None, []
         for name, t in named:
             device = t.device
@@ -56,9 +56,12 @@ class FlatSender:
         is_session = uses_update_sessions(self.engine)
         t0 = time.perf_counter()
         with torch.no_grad():
-            if has_adapters(model):  # LoRA: each adapted weight merged afresh, one at a time
-                for slot, (_, t) in zip(self.slots, merged_named_tensors(model)):
-                    slot.copy_(t)
+            if has_adapters(model):  # LoRA: each adapted weight merged afresh, straight into its slot
+                for slot, (_, p, layer) in zip(self.slots, base_parts(model)):
+                    if layer is None:
+                        slot.copy_(p.detach())
+                    else:
+                        merged_weight(layer, out=slot)
             else:
                 torch._foreach_copy_(self.slots, self.sources)
         torch.cuda.synchronize()
