@@ -81,7 +81,8 @@ def test_a_merge_into_the_push_buffer_is_the_fp32_merge_in_its_dtype(base, polic
             if ".lora_B." in n:
                 p.normal_(std=0.05)  # adapters far from zero (B starts at 0)
     layers = [layer for _, _, layer in base_parts(model) if layer is not None]
-    assert layers and all(layer.lora_A[a].weight.dtype == torch.float32 for layer in layers for a in layer.active_adapters)
+    assert layers and all(layer.lora_A[a].weight.dtype == torch.float32
+                          for layer in layers for a in layer.active_adapters)
     for layer in layers:
         expected = merged_weight(layer).to(torch.bfloat16)
         got = merged_weight(layer, out=torch.empty_like(expected))
