@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,8 +17,6 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-
-from nano_miles.weights.broadcast_sender import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,19 +31,48 @@ def proc_command(name: str) -> list[str]:
 SGLANG_EXTRA_ARGS = "--attention-backend triton"
 
 
-def free_ports_in_a_row(count: int, tries: int = 50) -> int:
-    """The first of `count` consecutive TCP ports on 127.0.0.1 that were free a moment ago (engine
-    replicas serve on port, port + 1, ...)."""
-    for _ in range(tries):
-        first = free_port()
+# The ports the runs of this process are given lie below Linux's ephemeral range (32768-60999 by default),
+# from which the OS also picks the source port of every client connection: a port picked there and bound
+# seconds later by a stage could meanwhile be held by a connection (a trainer that cannot bind its
+# metrics port, five restarts in a row). Each pytest-xdist worker hands out its own share of the range.
+PORT_RANGE = (10000, 32768)
+_next_port: int | None = None  # where this process's search goes on: no port is handed out twice
+
+
+def port_share() -> tuple[int, int]:
+    """[low, high) of the ports this process hands out: its pytest-xdist worker's share, else all."""
+    low, high = PORT_RANGE
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return low, high
+    size = (high - low) // count
+    return low + int(worker[2:]) * size, low + (int(worker[2:]) + 1) * size
+
+
+def free_ports_in_a_row(count: int) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1, free now and never handed out before by
+    this process (engine replicas serve on port, port + 1, ...)."""
+    global _next_port
+    low, high = port_share()
+    if _next_port is None or not low <= _next_port < high:
+        _next_port = random.randrange(low, high)  # processes of one share start apart
+    for _ in range(high - low):
+        first = _next_port if _next_port + count <= high else low
+        _next_port = first + 1
         try:
             with contextlib.ExitStack() as held:
                 for port in range(first, first + count):
                     held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            return first
         except OSError:
             continue
-    raise RuntimeError(f"no {count} free ports in a row on 127.0.0.1 after {tries} tries")
+        _next_port = first + count
+        return first
+    raise RuntimeError(f"no {count} free ports in a row on 127.0.0.1 in {low}-{high - 1}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1, free now and never handed out before by this process."""
+    return free_ports_in_a_row(1)
 
 
 def wait_for_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
