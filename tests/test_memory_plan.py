@@ -16,6 +16,7 @@ from harness.model_shapes import POLICY, SHAPES, TOKENIZER_FILES, num_parameters
 from harness.servers import REPO_ROOT
 from nano_miles.run.cli import UserError
 from nano_miles.run.config import load_config
+from nano_miles.run.sections import LORA_TARGETS
 from nano_miles.stages.trainer import memory_plan
 from nano_miles.stages.trainer.memory_plan import GIB, Shape, plan
 
@@ -53,8 +54,7 @@ def test_the_estimate_is_above_the_measured_peaks_and_near_them(tmp_path):
         peak_gib = json.loads((GPU_RESULTS / file).read_text())["shapes"][0]["runs"][0]["trainer_peak_gb"]
         shape_config(name).save_pretrained(tmp_path / name)
         s = Shape.of(tmp_path / name)
-        adapters = s.adapter_parameters(rank, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"])
+        adapters = s.adapter_parameters(rank, LORA_TARGETS)
         _, fixed = memory_plan.footprint(s, adapters=adapters, base_bytes=2, push_bytes=2, is_autocast=True)
         estimate = (fixed + s.activation_bytes(tokens, checkpointing)) / GIB
         assert peak_gib <= estimate <= peak_gib * 1.3, (file, peak_gib, estimate)

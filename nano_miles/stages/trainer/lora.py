@@ -8,7 +8,8 @@ Only the adapters train, so only they and their AdamW state live in fp32 beside 
 The engine keeps serving a plain model: every weight update sends the base weights with each adapted
 weight merged, W + (alpha / r) B A, computed from the untouched base with fp32 accumulation
 (`weights/named_tensors.py`: `merged_weight`), so SGLang runs with no LoRA kernels and keeps its CUDA graphs,
-and merging never drifts the trainer's weights (nothing is merged in place). The KL reference is the same model with its adapters switched off.
+and merging never drifts the trainer's weights (nothing is merged in place). The KL reference is the same
+model with its adapters switched off.
 A checkpoint holds the adapters (PEFT's adapter directory), not the base: it names the base by path and
 content hash, and a resume or export against another base is refused.
 """

@@ -52,7 +52,6 @@ ACTIVATION_MARGIN = 1.1
 ENGINE_RESERVE_GIB = 8.0
 NO_CHECKPOINT_TOKENS = (32768, 16384, 8192)
 CHECKPOINT_TOKENS = (32768, 16384, 8192, 4096, 2048)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # engine.dtype's, for the push buffer
 
 
 @dataclass
@@ -135,16 +134,18 @@ def footprint(shape: Shape, *, with_reference: bool = False, adapters: int = 0, 
     return state, state + gathered + shape.num_parameters * push_bytes + casts + FIXED_GIB * GIB
 
 
-def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, **keys) -> Plan:
+def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference: bool = False,
+         adapters: int = 0, base_bytes: int = 4, world: int = 1, push_bytes: int = 0,
+         is_autocast: bool = False) -> Plan:
     """The micro-batch size and checkpointing for a model of `shape` on a GPU of `gpu_bytes` of which an
-    engine holds `engine_fraction` (0: none); UserError if nothing fits. The keys, all optional:
-    `adapters` > 0: LoRA, that many trained parameters on a frozen base of `base_bytes` a parameter
-    (whose reference costs nothing), else `with_reference` (a KL penalty's bf16 copy); `world` > 1: the
-    state sharded over that many ranks (FSDP2), each GPU planned alike; `push_bytes`: a parameter's share
-    of the weight push's flat buffer; `is_autocast`: bf16 compute on fp32 weights."""
+    engine holds `engine_fraction` (0: none); UserError if nothing fits. `adapters` > 0: LoRA, that many
+    trained parameters on a frozen base of `base_bytes` a parameter (whose reference costs nothing), else
+    `with_reference` (a KL penalty's bf16 copy); `world` > 1: the state sharded over that many ranks
+    (FSDP2), each GPU planned alike; `push_bytes`: a parameter's share of the weight push's flat buffer;
+    `is_autocast`: bf16 compute on fp32 weights."""
     available = gpu_bytes * (1 - engine_fraction) - (ENGINE_RESERVE_GIB * GIB if engine_fraction else 0)
-    state, base = footprint(shape, **keys)
-    world, adapters = keys.get("world", 1), keys.get("adapters", 0)
+    state, base = footprint(shape, with_reference=with_reference, adapters=adapters, base_bytes=base_bytes,
+                            world=world, push_bytes=push_bytes, is_autocast=is_autocast)
     for checkpointing, budgets in ((False, NO_CHECKPOINT_TOKENS), (True, CHECKPOINT_TOKENS)):
         for tokens in budgets:
             peak = base + shape.activation_bytes(tokens, checkpointing)
@@ -167,6 +168,7 @@ def engine_fraction(cfg) -> float:
 
 def plan_for(cfg, gpu_bytes: int, shape: Shape | None = None) -> Plan:
     """The plan for `cfg`'s model (`shape`, when the caller has read it already) and trainer settings."""
+    import torch
     t, e, shape = cfg.trainer, cfg.engine, shape or Shape.of(cfg.model_dir)
     is_sharded = t.strategy == "fsdp2"
     # the flat buffer: SGLang started by this run, weights pushed from one unsharded model (tensor_sender.py)
@@ -174,7 +176,7 @@ def plan_for(cfg, gpu_bytes: int, shape: Shape | None = None) -> Plan:
     return plan(shape, gpu_bytes, engine_fraction(cfg), with_reference=t.kl_coef > 0,
                 adapters=shape.adapter_parameters(t.lora_rank, t.lora_target_modules),
                 base_bytes=2 if t.dtype == "bfloat16" else 4, world=t.world_size if is_sharded else 1,
-                push_bytes=DTYPE_BYTES[e.dtype] if is_flat else 0, is_autocast=t.dtype == "bfloat16")
+                push_bytes=getattr(torch, e.dtype).itemsize if is_flat else 0, is_autocast=t.dtype == "bfloat16")
 
 
 def apply(cfg, chosen: Plan):
