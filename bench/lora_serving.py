@@ -2,7 +2,7 @@
 
 Run (one GPU, SGLang importable; the shapes' model directories are bench/scale.py's, built if missing):
     python bench/lora_serving.py --shapes 1.5b,7b [--rank 16] [--updates 5] [--models runs/shapes]
-                                 [--out bench/results/gpu] [--name lora_serving]
+                                 [--out bench/results/gpu] [--name lora_serving] [--keep-logs]
 
 Per shape, on bench/scale.py's step batch (16 prompts x 8 samples x 512 new tokens, the pipeline's
 server command and sampling):
@@ -15,11 +15,12 @@ server command and sampling):
            engine unloads the old adapter and loads the new one (/unload_lora_adapter, /load_lora_adapter);
            its median over --updates.
 Both generation rates are timed as bench/scale.py times SGLang alone (one request, after a warm-up).
-Writes <name>.json into --out.
+Writes <name>.json into --out; --keep-logs copies both servers' logs to --out/<name>_logs/<shape>.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 import tempfile
@@ -129,6 +130,8 @@ def main(argv: list[str]) -> int:
                         help="where the shapes' model directories are (built there if missing)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "gpu")
     parser.add_argument("--name", default="lora_serving", help="the result file's name, without .json")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="copy both servers' logs to --out/<name>_logs/<shape> (SGLang's start and decode lines)")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     if unknown := [s for s in shapes if s not in SHAPES]:
@@ -138,8 +141,15 @@ def main(argv: list[str]) -> int:
     result = {"shapes": []}
     for shape in shapes:
         with tempfile.TemporaryDirectory(prefix=f"lora-serving-{shape}-") as tmp:
-            result["shapes"].append(measure_shape(shape, built(shape, args.models / shape), args.rank, args.updates,
-                                                  Path(tmp)))
+            try:
+                result["shapes"].append(measure_shape(shape, built(shape, args.models / shape), args.rank,
+                                                      args.updates, Path(tmp)))
+            finally:
+                if args.keep_logs:
+                    logs = args.out / f"{args.name}_logs" / shape
+                    logs.mkdir(parents=True, exist_ok=True)
+                    for log in Path(tmp).glob("*.log"):
+                        shutil.copy(log, logs / log.name)
         write_result(args.out / f"{args.name}.json", result, is_complete=False)  # a cut bench keeps its shapes
         print_table(result["shapes"][-1:])
     write_result(args.out / f"{args.name}.json", result, is_complete=True)
