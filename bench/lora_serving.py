@@ -81,15 +81,16 @@ def swap_adapter(client, model, directory: Path) -> dict:
     return {"write_ms": (written - started) * 1e3, "total_ms": (time.perf_counter() - started) * 1e3}
 
 
-def measure_shape(shape: str, model_dir: Path, rank: int, num_updates: int, root: Path) -> dict:
+def measure_shape(out: dict, model_dir: Path, rank: int, num_updates: int, root: Path) -> None:
+    """Fills `out` as it goes: a shape whose adapter server fails keeps its merged figures."""
     from scale import BASE, CONFIG, standalone_generation, step_prompts, timed_generation
 
     from harness.servers import launch, stop_sglang
     overrides = BASE + [f"--model.path={model_dir}"]
     cfg = load_config(REPO_ROOT / CONFIG, overrides=overrides)
-    print(f"{shape}: merged weights (the plain server) ...", flush=True)
-    out = {"shape": shape, "rank": rank, "merged": standalone_generation(cfg, overrides, root / "merged.log")}
-    print(f"{shape}: the adapter served by SGLang's LoRA kernels ...", flush=True)
+    print(f"{out['shape']}: merged weights (the plain server) ...", flush=True)
+    out["merged"] = standalone_generation(cfg, overrides, root / "merged.log")
+    print(f"{out['shape']}: the adapter served by SGLang's LoRA kernels ...", flush=True)
     model = adapted_model(model_dir, rank)
     lora_args = f"{cfg.engine.extra_args} --enable-lora --max-lora-rank {rank} --lora-target-modules all"
     proc, url = launch(model_dir, root / "adapter.log", overrides + [f"--engine.extra_args='{lora_args}'"],
@@ -105,7 +106,6 @@ def measure_shape(shape: str, model_dir: Path, rank: int, num_updates: int, root
     out["adapter"] = {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds,
                       "update_ms": statistics.median(u["total_ms"] for u in updates),
                       "write_ms": statistics.median(u["write_ms"] for u in updates)}
-    return out
 
 
 def print_table(shapes: list[dict]) -> None:
@@ -140,17 +140,19 @@ def main(argv: list[str]) -> int:
         raise UserError("--rank and --updates must be at least 1")
     result = {"shapes": []}
     for shape in shapes:
+        entry = {"shape": shape, "rank": args.rank}
+        result["shapes"].append(entry)
         with tempfile.TemporaryDirectory(prefix=f"lora-serving-{shape}-") as tmp:
             try:
-                result["shapes"].append(measure_shape(shape, built(shape, args.models / shape), args.rank,
-                                                      args.updates, Path(tmp)))
+                measure_shape(entry, built(shape, args.models / shape), args.rank, args.updates, Path(tmp))
             finally:
+                # a cut or failed bench keeps what it measured, and the servers' logs say why
+                write_result(args.out / f"{args.name}.json", result, is_complete=False)
                 if args.keep_logs:
                     logs = args.out / f"{args.name}_logs" / shape
                     logs.mkdir(parents=True, exist_ok=True)
                     for log in Path(tmp).glob("*.log"):
                         shutil.copy(log, logs / log.name)
-        write_result(args.out / f"{args.name}.json", result, is_complete=False)  # a cut bench keeps its shapes
         print_table(result["shapes"][-1:])
     write_result(args.out / f"{args.name}.json", result, is_complete=True)
     print_table(result["shapes"])
