@@ -25,12 +25,13 @@ from nano_miles.tasks import Problem
 from nano_miles.wire.data import decode_rollout
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11]]
+CUT = 0  # a fault that is no status: the answer's headers promise a body, then the connection closes
 WAIT_S = 120.0  # failure bound of every wait below; each returns as soon as its event happens
 
 
 class FaultyProxy:
     """Passes every request through to the engine, except that the first /generate calls are answered
-    with the statuses in `faults`, in order. `calls` logs (monotonic s, method, path, status, prompt)."""
+    with the statuses in `faults`, in order (CUT: cut off mid-answer, as by an engine killed while it sends). `calls` logs (monotonic s, method, path, status, prompt)."""
 
     def __init__(self, engine_url: str, faults: list[int]):
         self.engine = urlsplit(engine_url)
@@ -66,6 +67,15 @@ class FaultyProxy:
         prompt = json.loads(body).get("input_ids") if h.path == "/generate" and body else None
         with self.lock:
             fault = self.faults.pop(0) if h.path == "/generate" and self.faults else None
+        if fault == CUT:
+            with self.lock:
+                self.calls.append((arrived, h.command, h.path, CUT, prompt))
+            h.send_response(200)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", "4096")
+            h.end_headers()
+            h.close_connection = True
+            return
         if fault is not None:
             status, payload, content_type = fault, json.dumps({"error": {"message": "injected"}}).encode(), \
                 "application/json"
@@ -167,6 +177,23 @@ def test_5xx_and_429_are_retried_with_backoff_and_the_group_is_made(engine_url, 
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert all(gap >= delay for gap, delay in zip(gaps, ENGINE_RETRY_S)), (gaps, ENGINE_RETRY_S)
     assert [c[4] for c in proxy.generate_calls()] == [[PROMPTS[0]] * 2] * 3  # the same request each time
+
+
+def test_an_answer_cut_off_by_a_dying_engine_is_retried_and_the_group_is_made(engine_url, tmp_path):
+    """An engine killed while it sends an answer leaves the client a short body (IncompleteRead): the
+    producer waits it out as it does a refused connection, instead of crashing on it."""
+    proxy = FaultyProxy(engine_url, [CUT])
+    try:
+        with producer_behind(proxy, tmp_path) as (producer, pull):
+            issue_one(producer)
+            group = receive(pull)
+            status = producer.on_status()
+    finally:
+        proxy.close()
+    assert group.group_id == "e0-i0" and len(group.samples) == 2
+    assert status["num_sent"] == 1 and status["num_failed"] == 1 and status["dropped_for_good"] == {}
+    calls = [(c[1], c[2], c[3]) for c in proxy.calls]
+    assert calls == [("POST", "/generate", CUT), ("GET", "/model_info", 200), ("POST", "/generate", 200)], calls
 
 
 def test_a_permanent_4xx_is_not_retried_and_drops_the_group_for_good(engine_url, tmp_path):

@@ -153,7 +153,12 @@ class EngineClient:
             if is_reused:  # the server closed an idle connection before reading this request
                 return self._request(method, path, body, timeout_s)
             raise
-        except (OSError, http.client.HTTPException):
+        except http.client.HTTPException as e:
+            # the engine died mid-answer (IncompleteRead) or answered garbage: to every caller that is the
+            # transport failing, as a refused or reset connection is, and waited out the same way
+            self._drop_connection()
+            raise ConnectionError(f"{method} {path}: {e!r}") from e
+        except OSError:
             self._drop_connection()
             raise
 
