@@ -140,6 +140,16 @@ def issue_one(producer: RolloutProducer) -> None:
     producer.flush_outbox()
 
 
+def one_group_through(proxy: FaultyProxy, tmp_path) -> tuple:
+    """One group made through `proxy`, which is closed after: (proxy, producer, the group, its status)."""
+    try:
+        with producer_behind(proxy, tmp_path) as (producer, pull):
+            issue_one(producer)
+            return proxy, producer, receive(pull), producer.on_status()
+    finally:
+        proxy.close()
+
+
 def receive(pull: zmq.Socket):
     assert pull.poll(int(WAIT_S * 1000)), "no group reached the reward socket"
     return decode_rollout(pull.recv())
@@ -152,14 +162,7 @@ def metric(producer: RolloutProducer, name: str, labels: dict | None = None) -> 
 def test_5xx_and_429_are_retried_with_backoff_and_the_group_is_made(engine_url, tmp_path):
     assert EngineClient(engine_url).weight_version() == 0  # what the producer waits for after each failure
     faults = [503, 429]
-    proxy = FaultyProxy(engine_url, faults)
-    try:
-        with producer_behind(proxy, tmp_path) as (producer, pull):
-            issue_one(producer)
-            group = receive(pull)
-            status = producer.on_status()
-    finally:
-        proxy.close()
+    proxy, producer, group, status = one_group_through(FaultyProxy(engine_url, faults), tmp_path)
     # nothing dropped: the group arrives whole, with every sample finished
     assert group.group_id == "e0-i0" and list(group.prompt_tokens) == PROMPTS[0]
     assert len(group.samples) == 2
@@ -182,14 +185,7 @@ def test_5xx_and_429_are_retried_with_backoff_and_the_group_is_made(engine_url, 
 def test_an_answer_cut_off_by_a_dying_engine_is_retried_and_the_group_is_made(engine_url, tmp_path):
     """An engine killed while it sends an answer leaves the client a short body (IncompleteRead): the
     producer waits it out as it does a refused connection, instead of crashing on it."""
-    proxy = FaultyProxy(engine_url, [CUT])
-    try:
-        with producer_behind(proxy, tmp_path) as (producer, pull):
-            issue_one(producer)
-            group = receive(pull)
-            status = producer.on_status()
-    finally:
-        proxy.close()
+    proxy, _, group, status = one_group_through(FaultyProxy(engine_url, [CUT]), tmp_path)
     assert group.group_id == "e0-i0" and len(group.samples) == 2
     assert status["num_sent"] == 1 and status["num_failed"] == 1 and status["dropped_for_good"] == {}
     calls = [(c[1], c[2], c[3]) for c in proxy.calls]
