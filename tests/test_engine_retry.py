@@ -31,7 +31,8 @@ WAIT_S = 120.0  # failure bound of every wait below; each returns as soon as its
 
 class FaultyProxy:
     """Passes every request through to the engine, except that the first /generate calls are answered
-    with the statuses in `faults`, in order (CUT: cut off mid-answer, as by an engine killed while it sends). `calls` logs (monotonic s, method, path, status, prompt)."""
+    with the statuses in `faults`, in order (CUT: cut off mid-answer, as by an engine killed while it
+    sends). `calls` logs (monotonic s, method, path, status, prompt)."""
 
     def __init__(self, engine_url: str, faults: list[int]):
         self.engine = urlsplit(engine_url)

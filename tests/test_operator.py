@@ -108,8 +108,8 @@ def test_a_second_make_run_and_a_killed_supervisord_lose_nothing(tmp_path):
 
 def test_an_engine_port_held_by_an_earlier_start_of_the_run_is_named(tmp_path):
     """The check runs before the engine slot execs its server."""
-    from nano_miles.engine.launch import refuse_a_held_port
     from harness.servers import free_port
+    from nano_miles.engine.launch import refuse_a_held_port
     from nano_miles.run.cli import UserError
 
     port = free_port()
