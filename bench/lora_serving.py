@@ -20,6 +20,7 @@ Writes <name>.json into --out; --keep-logs copies both servers' logs to --out/<n
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -138,6 +139,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"unknown shape: {', '.join(unknown)}")
     if args.rank < 1 or args.updates < 1:
         raise UserError("--rank and --updates must be at least 1")
+    from scale import CONFIG
+    os.environ["NANOMILES_CONFIG"] = str(REPO_ROOT / CONFIG)  # the config the servers' launcher reads
     result = {"shapes": []}
     for shape in shapes:
         entry = {"shape": shape, "rank": args.rank}
