@@ -271,6 +271,32 @@ def tools_row(variant: str, label: str) -> Claim:
                for stat in ("mean", "min", "max")))
 
 
+RUN = ("shapes", 0, "runs", 0)  # bench/scale.py: a shape's first run
+SERVING = ("shapes", 0)  # bench/lora_serving.py: the one shape of the file
+
+
+def scale_row(label: str, file: str) -> Claim:
+    """A row of "Full fine-tune against LoRA": one bench/scale.py run; MFU counts 4 N FLOPs a token for LoRA."""
+    f, flops = f"gpu/{file}", "4 N" if "LoRA" in label else "6 N"
+    return C(GPU, f"| {label} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} % ({flops}) | {{}} | {{}} | {{}} |",
+             *(F(f, *RUN, k, fmt=num(2)) for k in ("step_s", "generate_s", "train_s")),
+             F(f, *RUN, "update_ms", fmt=num(1)), F(f, *RUN, "train_tokens_per_s", fmt=grouped),
+             F(f, *RUN, "mfu", fmt=pct(0)), *(F(f, *RUN, k, fmt=num(1)) for k in ("samples_per_s", "trainer_peak_gb",
+                                                                                     "gpu_peak_gb")))
+
+
+def serving_rows(shape: str) -> list[Claim]:
+    """The two rows of a shape in "How SGLang serves a LoRA policy"."""
+    f = f"gpu/lora_serving_{shape}.json"
+    merged, adapter = (*SERVING, "merged"), (*SERVING, "adapter")
+    return [C(GPU, f"| {shape.upper()} | merged weights | {{}} | {{}} |", F(f, *merged, "seconds", fmt=num(2)),
+              F(f, *merged, "tokens_per_s", fmt=grouped)),
+            C(GPU, f"| {shape.upper()} | adapter | {{}} | {{}} | {{}} % | {{}} ({{}} of it writing the directory) |",
+              F(f, *adapter, "seconds", fmt=num(2)), F(f, *adapter, "tokens_per_s", fmt=grouped),
+              F(f, *SERVING, lambda e: e["adapter"]["tokens_per_s"] / e["merged"]["tokens_per_s"], fmt=pct(0)),
+              F(f, *adapter, "update_ms", fmt=num(1)), F(f, *adapter, "write_ms", fmt=num(1)))]
+
+
 CLAIMS = [
     tools_gpu_row("tool", "with the calculator (`rollout.fn = nano_miles.rollouts.tools:rollout`)"),
     tools_gpu_row("no_tool", "without it (one turn, no system turn)"),
@@ -578,6 +604,30 @@ CLAIMS = [
       F(SYNC, "mean_update_ms", fmt=num(1))),
     C(GPU, "give identical engine logprobs on a probe (max |gap| {}).",
       F(WS_GPU, "max_abs_logprob_gap_between_paths", fmt=lambda v: f"{v:.1e}")),
+    # full fine-tune against LoRA, one H100
+    scale_row("1.5B full", "full_1.5b_h100.json"), scale_row("1.5B LoRA r16", "lora_1.5b_h100.json"),
+    scale_row("3B LoRA r16", "lora_3b_h100.json"), scale_row("7B LoRA r16", "lora_7b_merged_push.json"),
+    *serving_rows("1.5b"), *serving_rows("7b"),
+    C(README, "| 1.5B | {} s a step, trainer peak {} GB, update {} ms | {} s, {} GB, {} ms |",
+      F("gpu/full_1.5b_h100.json", *RUN, "step_s", fmt=num(2)),
+      F("gpu/full_1.5b_h100.json", *RUN, "trainer_peak_gb", fmt=num(1)),
+      F("gpu/full_1.5b_h100.json", *RUN, "update_ms", fmt=num(1)),
+      *(F("gpu/lora_1.5b_h100.json", *RUN, k, fmt=fmt)
+        for k, fmt in (("step_s", num(2)), ("trainer_peak_gb", num(1)), ("update_ms", num(1))))),
+    *(C(README, f"| {row} | {{}} s, {{}} GB, {{}} ms |", *(F(f"gpu/{file}", *RUN, k, fmt=fmt)
+      for k, fmt in (("step_s", num(2)), ("trainer_peak_gb", num(1)), ("update_ms", num(1)))))
+      for row, file in (("3B | refused: about 60 GiB needed, 47.7 left beside SGLang", "lora_3b_h100.json"),
+                        ("7B | does not fit: 113 GiB of weights, gradients and AdamW state alone",
+                         "lora_7b_merged_push.json"))),
+    C(GPU, "6.08 s a step against {} s sync on the same card, train {} s ({} tokens/s, MFU {} %) against {} s, "
+           "update {} ms, {} samples/s.",
+      F("gpu/full_1.5b_h100.json", *RUN, "step_s", fmt=num(2)),
+      F("gpu/full_1.5b_async_h100.json", *RUN, "train_s", fmt=num(2)),
+      F("gpu/full_1.5b_async_h100.json", *RUN, "train_tokens_per_s", fmt=grouped),
+      F("gpu/full_1.5b_async_h100.json", *RUN, "mfu", fmt=pct(0)),
+      F("gpu/full_1.5b_h100.json", *RUN, "train_s", fmt=num(2)),
+      F("gpu/full_1.5b_async_h100.json", *RUN, "update_ms", fmt=num(1)),
+      F("gpu/full_1.5b_async_h100.json", *RUN, "samples_per_s", fmt=num(1))),
 ]
 
 
