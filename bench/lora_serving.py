@@ -139,9 +139,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"unknown shape: {', '.join(unknown)}")
     if args.rank < 1 or args.updates < 1:
         raise UserError("--rank and --updates must be at least 1")
-    from scale import CONFIG
+    from scale import CONFIG, gpu_name
     os.environ["NANOMILES_CONFIG"] = str(REPO_ROOT / CONFIG)  # the config the servers' launcher reads
-    result = {"shapes": []}
+    result = {"gpu": gpu_name(), "shapes": []}
     for shape in shapes:
         entry = {"shape": shape, "rank": args.rank}
         result["shapes"].append(entry)

@@ -54,6 +54,14 @@ MODES = {"sync": ["--run.mode=sync", "--run.max_staleness=0"], "async": ["--run.
 PEAK_BF16_FLOPS = 989e12  # an H100/H200's dense bf16 peak (the figure MFU is quoted against)
 
 
+def gpu_name() -> str:
+    """The GPU the bench runs on, for its result file; a UserError where torch sees none."""
+    import torch
+    if not torch.cuda.is_available():
+        raise UserError(f"this bench runs SGLang and the trainer on a GPU; torch {torch.__version__} sees none here")
+    return torch.cuda.get_device_name()
+
+
 def step_prompts(cfg) -> list[list[int]]:
     """One step's prompts as the producer encodes them: the first batch_groups problems of the train file."""
     from nano_miles.tasks import load_problems
@@ -159,7 +167,8 @@ def main(argv: list[str]) -> int:
     if args.steps < 2:
         raise UserError("--steps must be at least 2: the first step is not timed")
     os.environ["NANOMILES_CONFIG"] = str(REPO_ROOT / CONFIG)
-    result = {"config": CONFIG, "overrides": BASE + extra, "steps": args.steps, "shapes": []}
+    result = {"gpu": gpu_name(), "config": CONFIG, "overrides": BASE + extra, "steps": args.steps,
+              "shapes": []}
     for shape in shapes:
         model_dir = built(shape, args.models / shape)
         overrides = BASE + [f"--model.path={model_dir}", f"--trainer.num_steps={args.steps}"] + extra
