@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from harness.supervised_run import SupervisedRun
+from nano_miles.engine.client import EngineClient
 from nano_miles.run.config import DEFAULT_POLICY_DIR, load_config
 from nano_miles.run.identity import read_run_identity
 from nano_miles.wire.data import RolloutGroup, Sample, ScoredGroup, encode_scored
@@ -108,3 +109,46 @@ def test_a_stage_that_cannot_start_ends_the_run_with_failed(tmp_path):
     failed = (run.run_dir / "FAILED").read_text()
     assert failed.startswith("failed: ") and any(stage in failed for stage in ("engine", "rollout", "reward",
                                                                                "trainer")), failed
+
+
+@pytest.mark.slow
+def test_an_engine_restarted_while_the_producer_is_down_is_given_weights(tmp_path):
+    """The engine restarts (serving its base weights) while the trainer, pulling a batch, waits for a stopped
+    producer; then the producer restarts too. The trainer restores the producer at its own weight version,
+    and the producer generates at once. Before, the trainer looked at the engine's version before it waited
+    for the producer, and after that only in a second without groups, which the stream of stale groups from
+    the base weights never left it: it refused them for ever and never pushed its weights again."""
+    run = SupervisedRun(tmp_path / "run", HARD + ["--run.hang_timeout_s=60"]).start()  # the test stops them
+    cfg = load_config(overrides=run.overrides)
+
+    def wait_for_trainer_log(text: str) -> None:
+        deadline = time.monotonic() + 60
+        while text not in (run.run_dir / "trainer.log").read_text():
+            assert time.monotonic() < deadline, run.tail()
+            time.sleep(0.2)
+
+    try:
+        run.wait_for_step(4)
+        reward = run.stage_pid("reward")
+        os.kill(reward, signal.SIGSTOP)  # no batch completes: the trainer stays in its pull
+        producer = run.stage_pid("rollout")
+        os.kill(producer, signal.SIGSTOP)
+        wait_for_trainer_log("(status)")  # its look at its peers waits for the producer
+        engine = run.stage_pid("engine")
+        os.kill(engine, signal.SIGKILL)
+        client = EngineClient(cfg.engine.url)
+        while run.stage_pid("engine") == engine:
+            time.sleep(0.2)
+        client.wait_until_healthy(60)
+        assert client.weight_version() == 0  # the restarted engine serves the base weights
+        os.kill(producer, signal.SIGKILL)
+        os.kill(reward, signal.SIGCONT)
+        assert run.wait(timeout_s=240) == 0, run.tail()
+    finally:
+        run.stop()
+    summary = run.summary()
+    ledger = summary["ledger"]
+    assert ledger["num_lost"] == 0 and ledger["num_trained_twice"] == 0, ledger
+    assert ledger["num_trained_once"] == NUM_STEPS * 8
+    assert summary["staleness_max"] == 0  # sync: nothing was trained on the engine's base weights
+    assert (run.run_dir / "trainer.log").read_text().count("restoring the producer") == 2  # its start, and here

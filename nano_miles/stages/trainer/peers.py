@@ -169,7 +169,10 @@ class Peers:
                 **{k[:-2]: v for k, v in push.items() if k != "total_s"}}
 
     def check_peers(self, model, version: int) -> None:
-        """While waiting for data: restore weights on a restarted engine, restore a restarted producer."""
+        """While waiting for data: restore a restarted producer, then weights on a restarted engine. In this
+        order because a producer is resumed at `version` and generates at once: an engine that restarted
+        while the trainer waited for the producer must serve `version` again before the first request."""
+        self.request("status")
         try:
             served = self.engine.weight_version()
         except (EngineError, OSError):
@@ -181,7 +184,6 @@ class Peers:
             self.num_engine_repushes += 1
             self.sender.close()  # e.g. the restarted engine left the weight group
             self.update_weights(model, version)
-        self.request("status")
 
     def engine_busy_s(self) -> float | None:
         """Seconds the engine spent in forward passes (the local engine reports it; SGLang not)."""

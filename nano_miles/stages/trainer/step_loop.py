@@ -1,10 +1,10 @@
 """The trainer: pulls scored groups, takes GRPO steps, hot-updates the engine's weights, evaluates.
 
-Library module of `procs/trainer.py`, the trainer process supervisord starts.
-The modules it names, in the order a batch meets them: `nano_miles/wire/data.py` (decode),
-`learner.py` (the optimizer step: micro-batches, `nano_miles/algo/grpo.py` to assemble and take
-log-probs, `nano_miles/algo/loss.py` for the loss), `peers.py` (commit, weight update through
-`nano_miles/weights/`), `checkpoint.py`, `evaluate.py`, `nano_miles/observe/run_record.py`.
+Library module of `procs/trainer.py`, the trainer process supervisord starts. The modules it names, in the
+order a batch meets them: `nano_miles/wire/data.py` (decode), `learner.py` (the optimizer step: micro-batches,
+`nano_miles/algo/grpo.py` to assemble and take log-probs, `nano_miles/algo/loss.py` for the loss), `peers.py`
+(commit, weight update through `nano_miles/weights/`), `checkpoint.py`, `evaluate.py`,
+`nano_miles/observe/run_record.py`.
 
 The step loop (`Trainer.take_step`) is the algorithm: pull -> assemble -> loss -> step -> commit ->
 update weights -> evaluate/checkpoint. The trainer owns the only durable state (policy, optimizer,
@@ -51,7 +51,7 @@ from nano_miles.wire.sockets import make_socket
 log = logging.getLogger("trainer")
 
 PULL_TIMEOUT_S = 900.0   # no scored group for this long: something upstream is broken for good
-CHECK_EVERY_S = 5.0      # while waiting for data, look after the engine and the producer this often
+CHECK_EVERY_S = 5.0      # while pulling a batch, look after the engine and the producer this often
 
 
 class Trainer:
@@ -284,22 +284,24 @@ class Trainer:
         return batch, time.perf_counter() - started
 
     def receive(self, started: float, num_have: int) -> ScoredGroup | None:
-        """One scored group of this run, or None after a second without one. While it waits it looks
+        """One scored group of this run, or None after a second without one. While a batch is pulled it looks
         after the engine and the producer every CHECK_EVERY_S, and gives up after PULL_TIMEOUT_S."""
         liveness.beat("scored groups")
         if self.dropped or self.unreported_no_signal:
             # report at once: until it hears, the producer counts them against its version gate,
             # and in sync mode it issues no replacement
             self.commit(self.step, [])
-        if not self.pull.poll(1000, zmq.POLLIN):
-            waited = time.perf_counter() - started
-            if waited > PULL_TIMEOUT_S:
-                raise TimeoutError(f"no scored groups for {waited:.0f}s (have {num_have})")
-            if time.perf_counter() - self.last_peer_check > CHECK_EVERY_S:
-                log.info("waiting for scored groups: %d/%d after %.0fs; checking engine and producer",
-                         num_have, self.cfg.trainer.batch_groups, waited)
-                self.peers.check_peers(self.model, self.state.version)
-                self.last_peer_check = time.perf_counter()
+        is_silent = not self.pull.poll(1000, zmq.POLLIN)
+        waited = time.perf_counter() - started
+        if is_silent and waited > PULL_TIMEOUT_S:
+            raise TimeoutError(f"no scored groups for {waited:.0f}s (have {num_have})")
+        # also while groups arrive: a restarted engine's stale groups may never leave a silent second
+        if time.perf_counter() - self.last_peer_check > CHECK_EVERY_S:
+            log.info("%s scored groups: %d/%d after %.0fs; checking engine and producer",
+                     "waiting for" if is_silent else "pulling", num_have, self.cfg.trainer.batch_groups, waited)
+            self.peers.check_peers(self.model, self.state.version)
+            self.last_peer_check = time.perf_counter()
+        if is_silent:
             return None
         try:
             scored = decode_scored(self.pull.recv())
