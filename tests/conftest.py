@@ -6,7 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# CI's two cores run two pytest workers beside the pipelines' processes (one torch thread each). torch's
+# default, a thread a core, oversubscribes them in the workers' own tests and its waiting threads spin:
+# a policy sweep test of 9 s took 81 s beside one pipeline run, 11 s with one thread. Child processes
+# the tests start inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from harness.servers import REPO_ROOT as REPO
 from harness.servers import free_port, start_local_engine, stop_process
