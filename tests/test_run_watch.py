@@ -57,6 +57,20 @@ def test_ticks_while_supervisord_shuts_down_do_not_end_the_listener(tmp_path):
     assert event(watch, "TICK_5", "when:1005", 1005.0) is None
 
 
+def test_exits_while_supervisord_shuts_down_do_not_end_the_listener(tmp_path):
+    """A stage's expected exit once the run's end is decided (or someone else stopped supervisord):
+    supervisord faults on every process call then, and the listener raised it, so a refused second
+    start printed a traceback after its one line."""
+    exited = "processname:rollout groupname:nanomiles expected:1 pid:4"
+    stopped_by_hand = RunWatch(tmp_path, 0, supervisor=ShuttingDown())
+    assert event(stopped_by_hand, "PROCESS_STATE_EXITED", exited, 1.0) is None
+    assert "rollout exited while supervisord shuts down (SHUTDOWN_STATE)" in (tmp_path / "run_end.log").read_text()
+    ended = RunWatch(tmp_path, 0, supervisor=ShuttingDown())
+    ended.end("refused: trainer would not start on the finished run")
+    assert event(ended, "PROCESS_STATE_EXITED", exited, 2.0) is None
+    assert event(ended, "PROCESS_STATE_FATAL", "processname:engine from_state:BACKOFF", 2.0) is None
+
+
 class Exited:
     """supervisord's XML-RPC interface after a program exited with `status`."""
 

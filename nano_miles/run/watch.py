@@ -80,6 +80,8 @@ class RunWatch:
 
     def on_event(self, event: str, fields: dict[str, str], now: float) -> str | None:
         """The reason to end the run for this event, or None to keep going."""
+        if self.is_ending:  # the end is decided; supervisord, shutting down, answers no more process calls
+            return None
         name = fields.get("processname", "")
         if event == "PROCESS_STATE_STARTING":
             self.started_at[name] = now
@@ -96,7 +98,7 @@ class RunWatch:
                         f"{CRASH_WINDOW_S:.0f}s of starting; {self.quote(name)}")
         elif event == "PROCESS_STATE_FATAL":
             return f"failed: {name} could not be kept running; {self.quote(name)}"
-        elif event.startswith("TICK") and self.hang_timeout_s > 0 and not self.is_ending:
+        elif event.startswith("TICK") and self.hang_timeout_s > 0:
             try:
                 self.restart_hung(now)
             except (xmlrpc.client.Fault, OSError) as e:  # supervisord busy or going away: next tick
@@ -106,7 +108,11 @@ class RunWatch:
     def expected_exit(self, name: str) -> str | None:
         """An exit supervisord.conf lists as expected: 0 (the trainer is done; an engine slot the
         config does not use) or EXIT_USAGE (a mistake in what the program was given)."""
-        status = 0 if self.supervisor is None else self.supervisor.getProcessInfo(f"{GROUP}:{name}")["exitstatus"]
+        try:
+            status = 0 if self.supervisor is None else self.supervisor.getProcessInfo(f"{GROUP}:{name}")["exitstatus"]
+        except xmlrpc.client.Fault as e:  # a shutdown someone else asked for (Ctrl-C): the run ends anyway
+            log(self.run_dir, f"{name} exited while supervisord shuts down ({e.faultString})")
+            return None
         if status == 0:
             return "done" if name == "trainer" else None
         if status == EXIT_USAGE and (self.run_dir / FINISHED_FILE).is_file():  # a finished run: leave it be
