@@ -113,27 +113,29 @@ def test_a_stage_that_cannot_start_ends_the_run_with_failed(tmp_path):
 
 @pytest.mark.slow
 def test_an_engine_restarted_while_the_producer_is_down_is_given_weights(tmp_path):
-    """The engine restarts (serving its base weights) while the trainer, pulling a batch, waits for a stopped
-    producer; then the producer restarts too. The trainer restores the producer at its own weight version,
-    and the producer generates at once. Before, the trainer looked at the engine's version before it waited
-    for the producer, and after that only in a second without groups, which the stream of stale groups from
-    the base weights never left it: it refused them for ever and never pushed its weights again."""
+    """The engine restarts (serving its base weights) while the trainer waits for a stopped producer (in its
+    look at its peers while it pulls a batch, or in a commit or resume, wherever the stop finds it); then the
+    producer restarts too. The trainer restores the producer at its own weight version, and the producer
+    generates at once. Before, the trainer looked at the engine's version before it waited for the producer,
+    and after that only in a second without groups, which the stream of stale groups from the base weights
+    never left it: it refused them for ever and never pushed its weights again."""
     run = SupervisedRun(tmp_path / "run", HARD + ["--run.hang_timeout_s=60"]).start()  # the test stops them
     cfg = load_config(overrides=run.overrides)
 
-    def wait_for_trainer_log(text: str) -> None:
-        deadline = time.monotonic() + 60
-        while text not in (run.run_dir / "trainer.log").read_text():
-            assert time.monotonic() < deadline, run.tail()
-            time.sleep(0.2)
+    def times_trainer_waited() -> int:
+        return (run.run_dir / "trainer.log").read_text().count("waiting for the rollout producer")
 
     try:
         run.wait_for_step(4)
         reward = run.stage_pid("reward")
         os.kill(reward, signal.SIGSTOP)  # no batch completes: the trainer stays in its pull
         producer = run.stage_pid("rollout")
+        waited = times_trainer_waited()
         os.kill(producer, signal.SIGSTOP)
-        wait_for_trainer_log("(status)")  # its look at its peers waits for the producer
+        deadline = time.monotonic() + 60
+        while times_trainer_waited() == waited:  # its next control request waits for the producer
+            assert time.monotonic() < deadline, run.tail()
+            time.sleep(0.2)
         engine = run.stage_pid("engine")
         os.kill(engine, signal.SIGKILL)
         client = EngineClient(cfg.engine.url)
