@@ -16,6 +16,7 @@ def main(argv: list[str]) -> int:
     import os
     import sys
     import time
+    import xmlrpc.client
     from pathlib import Path
 
     from supervisor import childutils
@@ -49,7 +50,10 @@ def main(argv: list[str]) -> int:
         reason = watch.on_event(headers["eventname"], parse_payload(payload), time.time())
         if reason is not None and not watch.is_ending:
             watch.end(reason)
-            rpc.shutdown()
+            try:
+                rpc.shutdown()
+            except xmlrpc.client.Fault:  # someone else shut it down first (Ctrl-C): it is ending anyway
+                pass
         childutils.listener.ok(sys.stdout)
 
 

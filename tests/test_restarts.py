@@ -145,6 +145,7 @@ def test_a_shutdown_checkpoints_and_the_run_goes_on_with_another_batch_size(tmp_
     assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "model.safetensors").exists(), first.tail()
     assert not (run_dir / "summary.json").exists() and not (run_dir / "FAILED").exists()
     assert "stopped: trainer (exit status 143)" in (run_dir / "supervisord.log").read_text()
+    assert "Traceback" not in first.output.read_text()  # what the terminal showed
 
     again = SupervisedRun(run_dir, RUN + ["--trainer.num_steps=8", "--trainer.batch_groups=2"]).start()
     try:
