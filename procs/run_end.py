@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         if headers["eventname"] in ("PROCESS_STATE_EXITED", "PROCESS_STATE_FATAL"):
             time.sleep(LOG_SETTLE_S)
         reason = watch.on_event(headers["eventname"], parse_payload(payload), time.time())
-        if reason is not None and not watch.is_ending:
+        if reason is not None:  # None once the end is decided: the watch ignores later events
             watch.end(reason)
             try:
                 rpc.shutdown()
