@@ -13,7 +13,8 @@ On the CPU (the small policy, the local engine; a check that everything runs, no
 At real model sizes: --shapes runs Qwen2.5's shapes with random weights (harness/model_shapes.py; built
 into --models on the first run), --model any local model directory; both on the large policy's config
 with MODEL_OVERRIDES (64 samples x 256 new tokens a step, bf16 autocast, checkpointing on both sides).
-A random model learns nothing: its rows have speed targets only (SHAPE_TARGETS), no accuracy target.
+A random model learns nothing: its rows have speed targets only (SHAPE_TARGETS), no accuracy target, and
+its runs evaluate a few problems before step 1 and after the last only (SHAPE_OVERRIDES).
 
 Per policy, three runs of the same number of optimizer steps from the same policy directory:
 nano-miles sync and async with max_staleness 2 (each a full pipeline under the real supervisord,
@@ -66,6 +67,9 @@ MODEL_CONFIG = "configs/gpu_large.toml"  # the settings a --model or --shapes ru
 MODEL_OVERRIDES = ["--trainer.dtype=bfloat16", "--trainer.gradient_checkpointing=true", "--trainer.batch_groups=4",
                    "--rollout.max_new_tokens=256"]
 SHAPE_TARGETS = (5.0, 8.0)  # sync, async S=2 samples/s over TRL's at Qwen2.5's shapes
+# Random weights score 0 held-out: a shape's runs evaluate 8 problems, before step 1 and after the last only
+# (TRL's side evaluates through transformers' generate, minutes for 200 problems at these sizes)
+SHAPE_OVERRIDES = ["--trainer.eval_every=0", "--task.num_test=8"]
 ACCURACY_NOISE = 0.03      # final accuracy may trail TRL's by this much (200 problems: ~3 points)
 
 
@@ -195,7 +199,7 @@ class Entry:
 
     name: str                       # how its rows are named
     config: str                     # the config file, relative to the repo
-    overrides: list[str]            # on top of it, before the bench's and the user's
+    overrides: list[str]            # on top of it and the bench's defaults, before the user's
     target_points: float | None     # held-out points above the runs' mean start that count as the target
     speed_targets: tuple[float, float]  # sync and async S=2 samples/s over TRL's
 
@@ -207,8 +211,9 @@ def entries(args) -> list[Entry]:
         from harness.model_shapes import SHAPES
         if unknown := [s for s in args.shapes.split(",") if s not in SHAPES]:
             raise UserError(f"--shapes takes names from {', '.join(SHAPES)}, not {', '.join(unknown)}")
-        return [Entry(f"Qwen2.5-{s} shape", MODEL_CONFIG, [f"--model.path={args.models / s}"] + MODEL_OVERRIDES,
-                      None, SHAPE_TARGETS) for s in args.shapes.split(",")]
+        return [Entry(f"Qwen2.5-{s} shape", MODEL_CONFIG,
+                      [f"--model.path={args.models / s}"] + MODEL_OVERRIDES + SHAPE_OVERRIDES, None, SHAPE_TARGETS)
+                for s in args.shapes.split(",")]
     if unknown := [p for p in args.policies.split(",") if p not in POLICIES]:
         raise UserError(f"--policies takes names from {', '.join(POLICIES)}, not {', '.join(unknown)}")
     return [Entry(p, POLICIES[p][0], [], POLICIES[p][1], (1.0, LARGE_ASYNC_TARGET if p == "large" else 1.0))
@@ -252,10 +257,9 @@ def plot(results: dict, out: Path) -> None:
 
 def measure(entry: Entry, overrides: list[str], generation: str, env: dict, root: Path,
             on_run: Callable[[dict], None]) -> dict:
-    """The three runs of one entry, the target from their start, both sides' settings; `on_run` is
-    handed the entry's result so far after each run."""
+    """The three runs of one entry (its config with `overrides`), the target from their start, both sides'
+    settings; `on_run` is handed the entry's result so far after each run."""
     config = str(REPO_ROOT / entry.config)
-    overrides = entry.overrides + overrides
     starts = {"sync": lambda: run_nano("sync", config, overrides, root),
               "async": lambda: run_nano("async S=2", config, overrides + ["--run.mode=async",
                                                                          "--run.max_staleness=2"], root),
@@ -325,10 +329,11 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError("--steps takes a positive count")
     chosen = entries(args)
-    overrides = [f"--trainer.num_steps={args.steps}", f"--trainer.eval_every={max(1, args.steps // 6)}",
-                 "--trainer.checkpoint_every=0", "--run.seed=0"] + [a for a in argv if is_override(a)]
+    defaults = [f"--trainer.num_steps={args.steps}", f"--trainer.eval_every={max(1, args.steps // 6)}",
+                "--trainer.checkpoint_every=0", "--run.seed=0"]
+    overrides = {e.name: defaults + e.overrides + [a for a in argv if is_override(a)] for e in chosen}
     for e in chosen:
-        model_dir = load_config(REPO_ROOT / e.config, e.overrides + overrides).model_dir
+        model_dir = load_config(REPO_ROOT / e.config, overrides[e.name]).model_dir
         if (model_dir / "config.json").is_file():
             continue
         if args.model is not None:
@@ -349,7 +354,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep_runs or Path(tmp)
         for e in chosen:
-            results[e.name] = measure(e, overrides, args.trl_generation, env, root / e.name.replace(" ", "_"),
+            results[e.name] = measure(e, overrides[e.name], args.trl_generation, env, root / e.name.replace(" ", "_"),
                                       lambda so_far, name=e.name: save(name, so_far))
     report(results, args.out, args.name)
     return 0

@@ -16,25 +16,30 @@ from conftest import REPO
 
 pytest.importorskip("trl")
 
-OVERRIDES = ["--trainer.num_steps=2", "--trainer.batch_groups=2", "--rollout.group_size=4", "--task.num_test=8",
-             "--trainer.eval_every=1", "--trainer.lr=3e-4", "--rollout.max_new_tokens=24", "--run.seed=3"]
+OVERRIDES = ["--trainer.batch_groups=2", "--rollout.group_size=4", "--task.num_test=8",
+             "--trainer.lr=3e-4", "--rollout.max_new_tokens=24", "--run.seed=3"]
 
 
-def test_trl_runs_what_the_nano_miles_config_says(tmp_path):
+@pytest.mark.parametrize("num_steps, eval_every, evaluated", [
+    (2, 1, [0, 1, 2]),  # before training and after every step
+    (3, 0, [0, 3]),     # 0: as nano-miles' trainer, before training and after the last step only
+])
+def test_trl_runs_what_the_nano_miles_config_says(tmp_path, num_steps, eval_every, evaluated):
     from harness.trl_grpo import MUST_MATCH, nano_settings
     from nano_miles.run.config import load_config
     out = tmp_path / "trl.json"
-    done = subprocess.run([sys.executable, "-m", "harness.trl_grpo", "--out", str(out), *OVERRIDES], cwd=REPO,
+    overrides = OVERRIDES + [f"--trainer.num_steps={num_steps}", f"--trainer.eval_every={eval_every}"]
+    done = subprocess.run([sys.executable, "-m", "harness.trl_grpo", "--out", str(out), *overrides], cwd=REPO,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
-    nano = nano_settings(load_config(overrides=OVERRIDES))
+    nano = nano_settings(load_config(overrides=overrides))
     assert {k: result["settings"][k] for k in MUST_MATCH} == {k: nano[k] for k in MUST_MATCH}
-    assert [s["step"] for s in result["steps"]] == [1, 2]
+    assert [s["step"] for s in result["steps"]] == list(range(1, num_steps + 1))
     assert all(s["num_samples"] == 8 and 0 < s["num_tokens"] <= 8 * 24 for s in result["steps"])
     assert all(s["phase_s"]["generate"] > 0 and s["phase_s"]["train"] > 0 for s in result["steps"])
-    assert [e["step"] for e in result["evals"]] == [0, 1, 2]  # before training and after every step
+    assert [e["step"] for e in result["evals"]] == evaluated
     assert result["evals"][0]["elapsed_s"] == 0.0 and result["train_s"] >= result["evals"][-1]["elapsed_s"] > 0
 
 
@@ -60,6 +65,7 @@ def test_the_bench_names_its_sections_by_policy_shape_or_model(monkeypatch):
     assert [e.name for e in shapes] == ["Qwen2.5-0.5b shape", "Qwen2.5-1.5b shape"]
     assert all(e.target_points is None and e.speed_targets == vs_trl.SHAPE_TARGETS for e in shapes)
     assert f"--model.path={REPO / 'runs' / 'shapes' / '1.5b'}" in shapes[1].overrides
+    assert all(e.overrides[-len(vs_trl.SHAPE_OVERRIDES):] == vs_trl.SHAPE_OVERRIDES for e in shapes)
     assert vs_trl.title(shapes[0].name) == "Qwen2.5-0.5b shape"
     (model,) = vs_trl.entries(args(shapes="0.5b", model=REPO / "runs" / "my-model"))  # --model wins
     assert model.name == "my-model" and model.overrides[0] == f"--model.path={REPO / 'runs' / 'my-model'}"
