@@ -68,7 +68,7 @@ MODEL_OVERRIDES = ["--trainer.dtype=bfloat16", "--trainer.gradient_checkpointing
                    "--rollout.max_new_tokens=256"]
 SHAPE_TARGETS = (5.0, 8.0)  # sync, async S=2 samples/s over TRL's at Qwen2.5's shapes
 # Random weights score 0 held-out: a shape's runs evaluate 8 problems, before step 1 and after the last only
-# (TRL's side evaluates through transformers' generate, minutes for 200 problems at these sizes)
+# (TRL's side evaluates through transformers' generate, one call per prompt length: slow at these sizes)
 SHAPE_OVERRIDES = ["--trainer.eval_every=0", "--task.num_test=8"]
 ACCURACY_NOISE = 0.03      # final accuracy may trail TRL's by this much (200 problems: ~3 points)
 

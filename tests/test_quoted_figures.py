@@ -293,9 +293,14 @@ def scale_row(label: str, file: str) -> Claim:
              *scale_cells(file))
 
 
-def scale_run(file: str) -> dict:
-    """The first run of a bench/scale.py result, for a figure that sets two files' runs side by side."""
-    return read_result(f"gpu/{file}")["shapes"][0]["runs"][0]
+def ratio(key: str) -> Callable[[dict, dict], float]:
+    """run[key] / other[key], for `two_runs`."""
+    return lambda run, other: run[key] / other[key]
+
+
+def two_runs(file: str, other: str, fn: Callable[[dict, dict], float], fmt) -> Fig:
+    """A figure of two bench/scale.py results' first runs side by side: fn(run of `file`, run of `other`)."""
+    return F(f"gpu/{file}", *RUN, lambda run: fn(run, read_result(f"gpu/{other}")["shapes"][0]["runs"][0]), fmt=fmt)
 
 
 def lora_table_cells(file: str) -> list[Fig]:
@@ -648,21 +653,20 @@ CLAIMS = [
         / s["standalone"]["tokens_per_s"], fmt=pct(0))),
     C(GPU, "made the train part {}× faster ({} -> {} s) and its peak {} GB smaller, but not the step: that run's "
            "generation took {} s against {} s",
-      F("gpu/scale_0.5b_h100.json", *RUN, lambda r: r["train_s"] / scale_run("scale_0.5b_compile_h100.json")["train_s"], fmt=num(2)),
+      two_runs("scale_0.5b_h100.json", "scale_0.5b_compile_h100.json", ratio("train_s"), num(2)),
       F("gpu/scale_0.5b_h100.json", *RUN, "train_s", fmt=num(2)),
       F("gpu/scale_0.5b_compile_h100.json", *RUN, "train_s", fmt=num(2)),
-      F("gpu/scale_0.5b_h100.json", *RUN, lambda r: r["trainer_peak_gb"] - scale_run("scale_0.5b_compile_h100.json")["trainer_peak_gb"],
-        fmt=num(1)),
+      two_runs("scale_0.5b_h100.json", "scale_0.5b_compile_h100.json",
+               lambda a, b: a["trainer_peak_gb"] - b["trainer_peak_gb"], num(1)),
       F("gpu/scale_0.5b_compile_h100.json", *RUN, "generate_s", fmt=num(2)),
       F("gpu/scale_0.5b_h100.json", *RUN, "generate_s", fmt=num(2))),
     C(README, "in one pipeline run on an H100 its train part {}× faster",
-      F("gpu/scale_0.5b_h100.json", *RUN, lambda r: r["train_s"] / scale_run("scale_0.5b_compile_h100.json")["train_s"], fmt=num(2))),
+      two_runs("scale_0.5b_h100.json", "scale_0.5b_compile_h100.json", ratio("train_s"), num(2))),
     C(GPU, "Async S=2 is again no faster than the sync step ({} s against {} s): its train part, beside SGLang's "
            "generation, takes {}× as long",
       F("gpu/scale_0.5b_async_h100.json", *RUN, "step_s", fmt=num(2)),
       F("gpu/scale_0.5b_h100.json", *RUN, "step_s", fmt=num(2)),
-      F("gpu/scale_0.5b_async_h100.json", *RUN, lambda r: r["train_s"] / scale_run("scale_0.5b_h100.json")["train_s"],
-        fmt=num(1))),
+      two_runs("scale_0.5b_async_h100.json", "scale_0.5b_h100.json", ratio("train_s"), num(1))),
     C(GPU, "nano-miles ran {} samples/s in sync ({} s a step) and {} in async S=2 ({} s a step).",
       *(F("gpu/vs_trl_0.5b_h100.json", "policies", "Qwen2.5-0.5b shape", "runs", run, k, fmt=fmt)
         for run in ("sync", "async") for k, fmt in (("samples_per_s", num(1)), ("step_s", num(2))))),
