@@ -64,7 +64,7 @@ def test_the_tests_margins_refuse_seeds_a_bench_cut_short_left(tmp_path, monkeyp
     assert learning_runs.margin("sync", "eval_gain") == 0.05
 
 
-def test_quoted_figures_come_from_finished_benches_only(tmp_path, monkeypatch):
+def test_quoted_figures_come_from_finished_benches_or_ones_quoted_as_cut_short(tmp_path, monkeypatch):
     import test_quoted_figures as quoted
     monkeypatch.setattr(quoted, "RESULTS", tmp_path)
     rows = [{"shape": "policy", "num_params": 812_000}]
@@ -73,6 +73,12 @@ def test_quoted_figures_come_from_finished_benches_only(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="unfinished"):
         quoted.resolve(num_params)
     write_result(tmp_path / quoted.WS_CPU, {"rows": rows}, is_complete=True)
+    assert quoted.resolve(num_params) == 812_000
+    # one the docs quote as a cut-short bench's: quotable while it is one, and only then
+    monkeypatch.setattr(quoted, "CUT_SHORT", {quoted.WS_CPU})
+    with pytest.raises(AssertionError, match="not cut short"):
+        quoted.resolve(num_params)
+    write_result(tmp_path / quoted.WS_CPU, {"rows": rows}, is_complete=False)
     assert quoted.resolve(num_params) == 812_000
 
 
