@@ -81,7 +81,9 @@ def gpu_cases(quick: bool) -> list[Case]:
     return cases + [Case(256, 150, 512, 16384, "bfloat16", True), Case(256, 150, 512, 65536, "bfloat16", True)]
 
 
-def make_model(device: str):
+def make_model(device: str, shape: dict = QWEN25_05B):
+    """The shipped small policy on the CPU; on a GPU a random-init model of `shape` (harness/model_shapes.py)
+    in fp32 master weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -91,7 +93,17 @@ def make_model(device: str):
         config = AutoConfig.from_pretrained(DEFAULT_POLICY_DIR, max_position_embeddings=4096)
         return AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY_DIR, config=config, dtype=torch.float32)
     with torch.device(device):
-        return Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).float()
+        return Qwen2ForCausalLM(Qwen2Config(**shape)).float()
+
+
+def random_samples(num: int, prompt: int, response: int, vocab: int) -> list:
+    """`num` trainer samples of random tokens (seed 0), in groups of 8, with random rewards."""
+    import numpy as np
+
+    from nano_miles.stages.trainer.learner import TrainSample
+    rng = np.random.default_rng(0)
+    return [TrainSample(rng.integers(3, vocab, prompt), rng.integers(3, vocab, response),
+                        np.full(response, -5.0, np.float32), float(rng.standard_normal()), i // 8) for i in range(num)]
 
 
 def model_flops(model, case: Case) -> float:
@@ -105,19 +117,14 @@ def model_flops(model, case: Case) -> float:
 
 
 def measure(case: Case, device: str) -> dict:
-    import numpy as np
     import torch
 
     from nano_miles.algo import grpo
     from nano_miles.run.sections import TrainerConfig
-    from nano_miles.stages.trainer.learner import Learner, TrainSample
+    from nano_miles.stages.trainer.learner import Learner
     torch.set_num_threads(1)  # the trainer's default trainer.num_threads
     model = make_model(device)
-    vocab = model.config.vocab_size
-    rng = np.random.default_rng(0)
-    samples = [TrainSample(rng.integers(3, vocab, case.prompt), rng.integers(3, vocab, case.response),
-                      np.full(case.response, -5.0, np.float32), float(rng.standard_normal()), i // 8)
-               for i in range(case.samples)]
+    samples = random_samples(case.samples, case.prompt, case.response, model.config.vocab_size)
     cfg = TrainerConfig(lr=1e-6, micro_batch_tokens=case.budget, dtype=case.dtype,
                         gradient_checkpointing=case.checkpointing)
     row = {**asdict(case), "label": case.label}
