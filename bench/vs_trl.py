@@ -156,13 +156,15 @@ def run_nano(name: str, config: str, overrides: list[str], root: Path) -> dict:
 
 def run_trl(config: str, overrides: list[str], generation: str, env: dict, root: Path) -> dict:
     out = root / "trl" / "trl_run.json"
-    print(f"running TRL GRPOTrainer ({generation}) ...", flush=True)
+    log = out.with_name("trl.log")  # its progress a step at a time, kept when the bench is cut short
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"running TRL GRPOTrainer ({generation}), its log in {log} ...", flush=True)
     cmd = [sys.executable, "-m", "harness.trl_grpo", "--config", config, "--out", str(out),
            "--generation", generation, *overrides]
-    with DeviceMemory() as memory:
-        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    with DeviceMemory() as memory, log.open("w") as sink:
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"TRL run failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        raise SystemExit(f"TRL run failed:\n{log.read_text()[-4000:]}")
     r = json.loads(out.read_text())
     steps = r["steps"]
     timed = steps[1:] or steps  # step 1 pays first-time costs, as in the nano-miles runs

@@ -225,6 +225,8 @@ def main(argv: list[str]) -> int:
                 "reward": task.counts["reward"] / max(n, 1), "num_samples": n, "num_tokens": task.counts["num_tokens"],
                 "phase_s": {"generate": phase_s.get("generate", 0.0), "score": phase_s.get("score", 0.0),
                             "train": step_s - sum(phase_s.values())}})
+            print(f"step {state.global_step}/{state.max_steps}: {step_s:.2f}s, {n} samples "
+                  f"(generate {phase_s.get('generate', 0.0):.2f}s)", flush=True)
             every = cfg.trainer.eval_every  # as nano-miles' trainer: 0 = only before step 1 and after the last
             if state.global_step == state.max_steps or (every > 0 and state.global_step % every == 0):
                 evaluate(state.global_step)
