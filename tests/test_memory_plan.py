@@ -138,3 +138,19 @@ def test_a_full_7b_fine_tune_fits_two_sharded_ranks_beside_sglang(tmp_path):
     cfg = load_config(None, ["--trainer.strategy=fsdp2", "--trainer.world_size=2", "--engine.kind=sglang",
                        "--engine.mem_fraction_static=0.3"])
     assert memory_plan.plan_for(cfg, H200, s) == two
+
+
+def test_a_refusal_names_the_engine_share_at_which_the_trainer_fits():
+    """The 3B full fine-tune is refused on an 80 GB card beside SGLang at 0.3; the refusal names the largest
+    engine.mem_fraction_static that fits, and the plan at that share fits where one point more does not.
+    The 7B one cannot be fitted that way: SGLang's share would no longer hold its weights."""
+    h100 = 81559 * 2**20  # what nvidia-smi reports for an 80 GB H100
+    with pytest.raises(UserError, match=r"at engine.mem_fraction_static = (0\.\d\d) or lower the trainer fits") as e:
+        plan(shape("3b"), h100, 0.3, push_bytes=2, is_autocast=True)
+    share = float(e.value.args[0].split("engine.mem_fraction_static = ")[1].split()[0])
+    chosen = plan(shape("3b"), h100, share, push_bytes=2, is_autocast=True)
+    assert chosen.gradient_checkpointing and chosen.peak_gib <= chosen.available_gib
+    with pytest.raises(UserError):
+        plan(shape("3b"), h100, share + 0.01, push_bytes=2, is_autocast=True)
+    with pytest.raises(UserError, match=r"a smaller engine.mem_fraction_static cannot make room"):
+        plan(shape("7b"), H200, 0.3, push_bytes=2, is_autocast=True)

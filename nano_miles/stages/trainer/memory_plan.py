@@ -34,7 +34,7 @@ Rank 0's GPU, which SGLang shares, is the tightest, and every rank takes its pla
 
 The choice: no checkpointing (a quarter to a third less compute) at the largest micro-batch of
 NO_CHECKPOINT_TOKENS that fits; else checkpointing at the largest of CHECKPOINT_TOKENS; else the model
-does not fit, and the error says by how much.
+does not fit, and the error says by how much and, beside SGLang, at which engine share it would.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ GIB = 2**30
 FIXED_GIB = 2.0
 ACTIVATION_MARGIN = 1.1
 ENGINE_RESERVE_GIB = 8.0
+ENGINE_MIN_KV_GIB = 1.0
 NO_CHECKPOINT_TOKENS = (32768, 16384, 8192)
 CHECKPOINT_TOKENS = (32768, 16384, 8192, 4096, 2048)
 
@@ -155,10 +156,26 @@ def plan(shape: Shape, gpu_bytes: int, engine_fraction: float, *, with_reference
     how = "LoRA" if adapters else "full fine-tuning"
     raise UserError(f"{how} of {shape.num_parameters / 1e9:.2f} B parameters needs about {least / GIB:.0f} GiB "
                     f"on the trainer's GPU ({state / GIB:.0f} GiB of weights, gradients and AdamW state alone); "
-                    f"{available / GIB:.0f} GiB is left beside the engine: lower engine.mem_fraction_static, "
+                    f"{available / GIB:.0f} GiB is left beside the engine: "
+                    f"{engine_share_hint(shape, gpu_bytes, engine_fraction, least)}"
                     "put the engine on another GPU, shard the trainer over more GPUs (trainer.strategy = "
                     "\"fsdp2\", trainer.world_size) " + ("or train a smaller model" if adapters else
                                                          "or train LoRA adapters (trainer.lora_rank)"))
+
+
+def engine_share_hint(shape: Shape, gpu_bytes: int, engine_fraction: float, least: float) -> str:
+    """The refusal's first way out, when SGLang shares the GPU: the largest engine.mem_fraction_static at which
+    the trainer's least need fits, if SGLang's share there still holds the model's bf16 weights and
+    ENGINE_MIN_KV_GIB of KV cache (below that it could not serve a step's batch)."""
+    if not engine_fraction:
+        return ""
+    share = int(100 * (1 - (least + ENGINE_RESERVE_GIB * GIB) / gpu_bytes)) / 100  # rounded down
+    kv = share * gpu_bytes - 2 * shape.num_parameters
+    if kv < ENGINE_MIN_KV_GIB * GIB:
+        return "a smaller engine.mem_fraction_static cannot make room (SGLang's share must hold its weights), "
+    return (f"at engine.mem_fraction_static = {share:.2f} or lower the trainer fits (SGLang's share at {share:.2f} "
+            f"holds {2 * shape.num_parameters / GIB:.1f} GiB of bf16 weights and {kv / GIB:.1f} GiB of KV cache), "
+            "or ")
 
 
 def engine_fraction(cfg) -> float:
