@@ -40,6 +40,9 @@ def test_trl_runs_what_the_nano_miles_config_says(tmp_path, num_steps, eval_ever
     assert all(s["num_samples"] == 8 and 0 < s["num_tokens"] <= 8 * 24 for s in result["steps"])
     assert all(s["phase_s"]["generate"] > 0 and s["phase_s"]["train"] > 0 for s in result["steps"])
     assert [e["step"] for e in result["evals"]] == evaluated
+    # a line a step as it ends: what the bench's trl.log keeps of a run its time limit cuts short
+    progress = [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("step ") and "/" in line]
+    assert progress == [f"step {k}/{num_steps}" for k in range(1, num_steps + 1)]
     assert result["evals"][0]["elapsed_s"] == 0.0 and result["train_s"] >= result["evals"][-1]["elapsed_s"] > 0
 
 
