@@ -33,7 +33,8 @@ bench/results). Targets: nano-miles ahead of TRL in samples/s and time to target
 async S=2 at >= 3x TRL's samples/s on the large policy, final accuracy not below TRL's by more than
 the 3-point noise of 200 held-out problems. The JSON is written after every run (`"complete": false`,
 the runs so far) and again at the end with the targets and verdicts, so a bench cut short keeps its
-runs; `--from` refuses such a file.
+runs; `--from` refuses such a file. TRL's process writes a line as each step ends to trl.log in its run
+directory (`--keep-runs DIR` puts the run directories where they outlast the bench).
 """
 
 from __future__ import annotations
