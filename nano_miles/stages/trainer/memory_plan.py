@@ -172,7 +172,7 @@ def engine_share_hint(shape: Shape, gpu_bytes: int, engine_fraction: float, leas
     share = int(100 * (1 - (least + ENGINE_RESERVE_GIB * GIB) / gpu_bytes)) / 100  # rounded down
     kv = share * gpu_bytes - 2 * shape.num_parameters
     if kv < ENGINE_MIN_KV_GIB * GIB:
-        return "a smaller engine.mem_fraction_static cannot make room (SGLang's share must hold its weights), "
+        return "a smaller engine.mem_fraction_static cannot make room (SGLang's share must hold its weights); "
     return (f"at engine.mem_fraction_static = {share:.2f} or lower the trainer fits (SGLang's share at {share:.2f} "
             f"holds {2 * shape.num_parameters / GIB:.1f} GiB of bf16 weights and {kv / GIB:.1f} GiB of KV cache), "
             "or ")
