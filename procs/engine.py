@@ -16,8 +16,8 @@ def main(argv: list[str]) -> int:
     from pathlib import Path
 
     import nano_miles
-    from nano_miles.engine.launch import (engine_command, engine_env, refuse_a_held_port, refuse_a_missing_gpu,
-                                         router_command)
+    from nano_miles.engine.launch import (engine_command, engine_env, gpu_memory, refuse_a_held_port,
+                                         refuse_a_missing_gpu, router_command)
     from nano_miles.run.config import parse_config
     from nano_miles.run.process import die_with_parent
 
@@ -35,15 +35,18 @@ def main(argv: list[str]) -> int:
         what = "the router" if args.router else f"engine slot {args.replica}"
         print(f"{what} is not used: engine.replicas = {replicas}", flush=True)
         return 0
-    cmd = router_command(cfg) if args.router else engine_command(cfg, args.replica)
     env = {} if args.router else {k: os.environ.get(k, v) for k, v in engine_env(cfg).items()}
     if args.print:
+        cmd = router_command(cfg) if args.router else engine_command(cfg, args.replica)
         print(" ".join([*(f"{k}={v}" for k, v in env.items()), *cmd]))
         return 0
     port = cfg.engine.router_port if args.router else cfg.engine.port + args.replica
     refuse_a_held_port(cfg.engine.host, port, cfg.run_dir)
     if not args.router:
         refuse_a_missing_gpu(cfg, args.replica)
+    # SGLang's share of its GPU counted from what is free as it starts (engine_command's sglang_fraction)
+    memory = gpu_memory(cfg.engine_gpu(args.replica)) if cfg.engine.kind == "sglang" and not args.router else None
+    cmd = router_command(cfg) if args.router else engine_command(cfg, args.replica, memory)
     os.environ.update(env)
     die_with_parent()  # kept across exec: the server dies with supervisord, never left on its port
     # the server (and SGLang's scheduler processes, which import the flat loader) find this nano_miles

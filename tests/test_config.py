@@ -266,6 +266,25 @@ def test_engine_command_lines(tmp_path):
     assert replica[replica.index("--port") + 1] == "1236"
 
 
+def test_sglang_gets_the_configured_share_of_its_whole_gpu():
+    """SGLang 0.5.16 takes --mem-fraction-static of the memory free as its model loads: the launcher passes
+    the value that gives it engine.mem_fraction_static of the whole GPU whatever else holds memory there,
+    and refuses in one line when that much is not free."""
+    from nano_miles.engine.launch import GIB
+    from nano_miles.run.cli import UserError
+    cfg = load_config(overrides=["--engine.kind=sglang", "--engine.mem_fraction_static=0.3"])
+
+    def flag(free_gib: float) -> float:
+        argv = engine_command(cfg, 0, (int(free_gib * GIB), 80 * GIB))
+        return float(argv[argv.index("--mem-fraction-static") + 1])
+    assert flag(80) == 0.3
+    assert flag(53) * 53 == pytest.approx(24, abs=0.01)  # beside a trainer holding 27 GiB: still 24 GiB
+    with pytest.raises(UserError, match=r"asks 24.0 GiB of GPU 0 \(80.0 GiB\), and 25.0 GiB is free"):
+        flag(25)  # 24 GiB would leave SGLang too little beside its share
+    argv = engine_command(cfg)  # as --print shows it: the config's value
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.3"
+
+
 def test_router_command_line():
     from nano_miles.engine.launch import router_command
     cmd = router_command(load_config(overrides=["--engine.replicas=2", "--engine.port=1234",

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -154,3 +155,30 @@ def test_a_refusal_names_the_engine_share_at_which_the_trainer_fits():
         plan(shape("3b"), h100, share + 0.01, push_bytes=2, is_autocast=True)
     with pytest.raises(UserError, match=r"a smaller engine.mem_fraction_static cannot make room"):
         plan(shape("7b"), H200, 0.3, push_bytes=2, is_autocast=True)
+
+
+def test_a_trainer_beside_sglang_loads_once_sglang_answers(tmp_path, monkeypatch, engine_url):
+    """SGLang sizes its share from the memory free when it loads, so a CUDA trainer beside the SGLang of its
+    run waits for /health (beating, saying why) before it takes memory; without SGLang beside it, it does
+    not wait. A real engine answers; a port nothing listens on never does."""
+    from harness.servers import free_port
+    from nano_miles.run import liveness
+    from nano_miles.stages.trainer import peers
+    beside = ["--engine.kind=sglang", "--trainer.device=cuda:0"]
+    started = time.monotonic()
+    memory_plan.wait_for_engine_share(load_config(overrides=[*beside, f"--engine.port={engine_url.rsplit(':', 1)[1]}"]))
+    assert time.monotonic() - started < 5
+    silent = f"--engine.port={free_port()}"
+    monkeypatch.setattr(peers, "PEER_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(liveness, "_path", liveness.heartbeat_path(tmp_path, "trainer"))
+    monkeypatch.setattr(liveness, "_last_s", 0.0)
+    (tmp_path / liveness.HEARTBEAT_DIR).mkdir()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not answer /health in 2 s \(see engine.log\)"):
+        memory_plan.wait_for_engine_share(load_config(overrides=[*beside, silent]), poll_s=0.2)
+    assert time.monotonic() - started >= 2
+    assert liveness.read_heartbeat(tmp_path, "trainer")["waiting_for"] == "the engine to take its share of the GPU"
+    for alone in (["--engine.kind=local", "--trainer.device=cuda:0"], ["--engine.kind=sglang", "--trainer.device=cpu"]):
+        started = time.monotonic()
+        memory_plan.wait_for_engine_share(load_config(overrides=[*alone, silent]))
+        assert time.monotonic() - started < 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import shlex
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,14 +22,22 @@ from nano_miles.run.process import processes_of_run
 # launcher imports no torch before it execs the server)
 FLAT_LOADER = "nano_miles.weights.flat_receiver.load_flat"
 
+GIB = 2**30
+# Beyond its static share SGLang allocates its CUDA graphs and prefill activations (the trainer's memory
+# plan leaves it 8 GiB for them); an engine with less than this free beside its share is refused at
+# once rather than left to fail after loading its model.
+ENGINE_MIN_HEADROOM_GIB = 2.0
+
 
 def is_truncated(cfg: Config) -> bool:
     """Does rollout sampling cut the distribution (top-p or top-k)?"""
     return cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0
 
 
-def engine_command(cfg: Config, replica: int = 0) -> list[str]:
-    """The argv of engine `replica` (0 .. engine.replicas - 1) for this config; it serves on port + replica."""
+def engine_command(cfg: Config, replica: int = 0, gpu_memory: tuple[int, int] | None = None) -> list[str]:
+    """The argv of engine `replica` (0 .. engine.replicas - 1) for this config; it serves on port + replica.
+    `gpu_memory`: SGLang's GPU's (free, total) bytes as it starts (`sglang_fraction`); without it the
+    config's engine.mem_fraction_static is passed as it is."""
     e = cfg.engine
     common = ["--model-path", str(cfg.model_dir), "--host", e.host, "--port", str(e.port + replica),
               "--weight-version", "0", "--random-seed", str(cfg.run.seed)]
@@ -40,7 +49,8 @@ def engine_command(cfg: Config, replica: int = 0) -> list[str]:
             *(["--base-gpu-id", str(cfg.engine_gpu(replica))] if "--base-gpu-id" not in e.extra_args else []),
             "--skip-tokenizer-init",                      # token ids in and out, never text
             "--enable-metrics",                           # Prometheus /metrics on the same port
-            "--mem-fraction-static", str(e.mem_fraction_static),  # leave GPU memory to the trainer
+            "--mem-fraction-static",  # leave GPU memory to the trainer
+            str(sglang_fraction(cfg, replica, *gpu_memory) if gpu_memory else e.mem_fraction_static),
             "--dtype", e.dtype,                           # the config's names are SGLang's too
             # every rollout request carries a sampling_seed, which SGLang's flashinfer sampler refuses
             # once top-p or top-k truncates (docs/sglang-contract.md §2.1); its torch sampler takes it
@@ -54,6 +64,36 @@ def engine_command(cfg: Config, replica: int = 0) -> list[str]:
             *(["--cuda-graph-max-bs", str(graph_batch_size(cfg))] if "--cuda-graph-max-bs" not in e.extra_args
               else []),
             *shlex.split(e.extra_args)]
+
+
+def sglang_fraction(cfg: Config, replica: int, free_bytes: int, total_bytes: int) -> float:
+    """SGLang's --mem-fraction-static that gives it the config's engine.mem_fraction_static of its whole GPU.
+
+    SGLang 0.5.16 sizes its static share (weights and KV cache) as the flag times the GPU memory free when
+    its model loads, not times the whole GPU (`kv_cache_configurator._profile_available_bytes`). The config's
+    value is a share of the whole GPU, as the trainer's memory plan counts it. An engine started beside a
+    trainer that holds memory already (a restarted engine) would otherwise get that share of what is left:
+    on an 80 GB card, SGLang at 0.1 starting while a 3B trainer held 26 GB got too little for its own
+    weights and failed, start after start.
+    A UserError (one line) if the GPU has not that much free now."""
+    want = cfg.engine.mem_fraction_static * total_bytes
+    if want > free_bytes - ENGINE_MIN_HEADROOM_GIB * GIB:
+        raise UserError(f"engine.mem_fraction_static = {cfg.engine.mem_fraction_static} asks {want / GIB:.1f} GiB "
+                        f"of GPU {cfg.engine_gpu(replica)} ({total_bytes / GIB:.1f} GiB), and {free_bytes / GIB:.1f} "
+                        f"GiB is free ({ENGINE_MIN_HEADROOM_GIB:.0f} GiB more is needed beside it): free the GPU or "
+                        "lower engine.mem_fraction_static")
+    return round(want / free_bytes, 4)
+
+
+def gpu_memory(gpu: int) -> tuple[int, int]:
+    """(free, total) bytes of visible CUDA device `gpu`, read in a child process, so that this process,
+    which becomes the server, holds no CUDA context of its own."""
+    probe = f"import torch; print(*torch.cuda.mem_get_info({gpu}))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise UserError(f"cannot read the memory of GPU {gpu}: {done.stderr.strip().splitlines()[-1:]}")
+    free, total = map(int, done.stdout.split())
+    return free, total
 
 
 # SGLang decodes a batch of at most --cuda-graph-max-bs requests in a captured CUDA graph, a larger one

@@ -153,13 +153,15 @@ def leave_with(pid: int) -> None:
             os._exit(0)
 
 
-def load_policy(cfg):
+def load_policy(cfg, rank: int = 0):
     """The policy as every rank loads it, on the trainer's device: seeded alike, so that LoRA's new
-    adapters are the same on every rank."""
+    adapters are the same on every rank. Rank 0, whose GPU SGLang shares, loads once SGLang holds its share."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nano_miles.stages.trainer import lora
+    from nano_miles.stages.trainer import lora, memory_plan
+    if rank == 0:
+        memory_plan.wait_for_engine_share(cfg)
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     return lora.wrap(model, cfg.trainer).to(cfg.trainer.device)  # trainer.lora_rank > 0: adapters train
@@ -175,5 +177,5 @@ def serve(cfg, tokenizer, rank: int, world: int, group) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, datefmt="%H:%M:%S",
                         format=f"%(asctime)s trainer.rank{rank} %(levelname)s %(message)s")
     torch.set_num_threads(cfg.trainer.num_threads)
-    model = load_policy(cfg)
+    model = load_policy(cfg, rank)
     return Ranks(Work(model, make_learner(cfg, model, tokenizer), rank), rank, world, group).serve()
