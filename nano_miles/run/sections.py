@@ -66,7 +66,7 @@ class EngineConfig(Section):
     device: str = checked("cpu", DEVICE)  # the local engine's (cpu or cuda); the GPU is the layout's (colocate)
     dtype: str = checked("float32", one_of(*DTYPES))
     num_threads: int = checked(1, at_least(1))        # torch threads of the local engine
-    mem_fraction_static: float = checked(0.5, FRACTION)  # sglang: GPU share for weights + KV (rest: trainer)
+    mem_fraction_static: float = checked(0.5, FRACTION)  # sglang: share of the whole GPU for weights + KV
     extra_args: str = checked("", SHELL_WORDS)        # sglang: more server flags, shell-split
                                                       # (e.g. "--attention-backend triton")
     request_timeout_s: float = checked(300.0, above(0))
