@@ -195,3 +195,33 @@ def test_the_trainers_last_line_ends_its_log_for_the_watch_to_quote(tmp_path):
     mistake = run_stage(tmp_path, "raise UserError('task.test_file x.jsonl does not exist')")
     assert mistake.returncode == 2 and mistake.stderr == "trainer: task.test_file x.jsonl does not exist\n"
     assert (tmp_path / "trainer.log").read_text().splitlines()[-1] == "trainer: task.test_file x.jsonl does not exist"
+
+
+def test_an_engine_that_never_answers_is_a_crash_loop_however_slow_its_start(tmp_path):
+    """SGLang refusing its memory share loads its model first, so each try outlives CRASH_WINDOW_S: it was
+    restarted for as long as the run lasted. Exits before the engine ever answered /health count; an
+    engine that answered once and then died is not a crash on start."""
+    supervisor = Running({"engine": 100, "rollout": 12, "reward": 13, "trainer": 14})
+    answering = {"http://e:1": False}
+    watch = RunWatch(tmp_path, hang_timeout_s=10, supervisor=supervisor, engines={"engine": "http://e:1"},
+                     is_answering=lambda url: answering[url])
+    (tmp_path / "engine.log").write_text("ValueError: Raise --mem-fraction-static above 0.112\n")
+
+    def one_life(pid: int, start: float, answers: bool) -> str | None:
+        supervisor.pids["engine"] = pid
+        event(watch, "PROCESS_STATE_STARTING", "processname:engine", start)
+        answering["http://e:1"] = answers
+        for t in range(5, 45, 5):  # it loads for 45 s, the watch asking each tick
+            event(watch, "TICK_5", "", start + t)
+        return event(watch, "PROCESS_STATE_EXITED", f"processname:engine expected:0 pid:{pid}", start + 45)
+    assert [one_life(100 + i, 50.0 * i, answers=False) for i in range(MAX_QUICK_CRASHES - 1)] == [None] * 4
+    assert one_life(200, 500.0, answers=True) is None  # it served a while: the count starts again
+    reasons = [one_life(300 + i, 600.0 + 50 * i, answers=False) for i in range(MAX_QUICK_CRASHES)]
+    assert reasons[:-1] == [None] * 4 and reasons[-1] == (
+        "failed: engine exited 5 times in a row before it answered /health; "
+        "engine.log: ValueError: Raise --mem-fraction-static above 0.112")
+    assert supervisor.killed == []  # a loading engine is never taken for a hung one
+    unasked = RunWatch(tmp_path, hang_timeout_s=0, engines={"engine": "http://e:1"})
+    for i in range(2 * MAX_QUICK_CRASHES):  # without the ticks' questions, slow exits are not counted
+        event(unasked, "PROCESS_STATE_STARTING", "processname:engine", 50.0 * i)
+        assert event(unasked, "PROCESS_STATE_EXITED", f"processname:engine expected:0 pid:{i}", 50.0 * i + 45) is None

@@ -11,7 +11,9 @@ Library module of `procs/run_end.py`, the `[eventlistener:run_end]` of superviso
   quotes the program's last line (its one-line error). On a finished run nothing is written into it.
 * A stage cannot be kept running: it entered FATAL, or it exited MAX_QUICK_CRASHES times in a row
   within CRASH_WINDOW_S of starting (a stage that loads a model outlives `startsecs` before it fails,
-  and supervisord would restart it forever). FAILED names the stage and quotes its log's last line.
+  and supervisord would restart it forever), or, for an engine the watch asks for /health, before it
+  ever answered (SGLang refusing its memory share for a 3B model exited about 45 s after each start,
+  for as long as a run lasted). FAILED names the stage and quotes its log's last line.
 * A stage hangs: on each TICK_5 the watch reads the stages' heartbeats (`nano_miles/run/liveness.py`)
   and asks each engine of its own slots for /health. An engine that has not answered for
   `run.hang_timeout_s` is restarted. While any engine does not answer, the stages are not judged (they
@@ -92,10 +94,11 @@ class RunWatch:
                 self.killed_for_hang.discard(name)
                 return None
             is_quick = now - self.started_at.get(name, now) < CRASH_WINDOW_S
-            self.quick_crashes[name] = self.quick_crashes.get(name, 0) + 1 if is_quick else 0
+            is_unready = self.never_answered(name, fields.get("pid"))
+            self.quick_crashes[name] = self.quick_crashes.get(name, 0) + 1 if is_quick or is_unready else 0
             if self.quick_crashes[name] >= MAX_QUICK_CRASHES:
-                return (f"failed: {name} exited {self.quick_crashes[name]} times in a row within "
-                        f"{CRASH_WINDOW_S:.0f}s of starting; {self.quote(name)}")
+                how = f"within {CRASH_WINDOW_S:.0f}s of starting" if is_quick else "before it answered /health"
+                return f"failed: {name} exited {self.quick_crashes[name]} times in a row {how}; {self.quote(name)}"
         elif event == "PROCESS_STATE_FATAL":
             return f"failed: {name} could not be kept running; {self.quote(name)}"
         elif event.startswith("TICK") and self.hang_timeout_s > 0:
@@ -104,6 +107,13 @@ class RunWatch:
             except (xmlrpc.client.Fault, OSError) as e:  # supervisord busy or going away: next tick
                 log(self.run_dir, f"cannot check the stages this tick: {e}")
         return None
+
+    def never_answered(self, name: str, pid: str | None) -> bool:
+        """Is `name` an engine the ticks ask for /health, whose process `pid` never answered?"""
+        if name not in self.engines or self.hang_timeout_s <= 0:  # not asked: no way to tell
+            return False
+        answered_pid, answered_at = self.engine_answered.get(name, (None, None))
+        return str(answered_pid) != pid or answered_at is None
 
     def expected_exit(self, name: str) -> str | None:
         """An exit supervisord.conf lists as expected: 0 (the trainer is done; an engine slot the
