@@ -90,6 +90,9 @@ def test_the_plan_reads_any_model_directory_and_goes_into_the_config(tmp_path, p
     # an engine started elsewhere leaves this GPU to the trainer
     assert memory_plan.plan_for(load_config(overrides=[f"--model.path={tmp_path}", "--engine.kind=sglang",
                                                        '--engine.urls=["http://h:1"]']), H200).available_gib > 130
+    own_gpu = ["--engine.colocate=false", "--engine.weight_transport=distributed", "--engine.weight_group_backend=nccl"]
+    assert memory_plan.plan_for(load_config(overrides=[f"--model.path={tmp_path}", *gpu_keys, *own_gpu]),
+                                H200).available_gib > 130  # and so does one on a GPU of its own
 
 
 def test_the_dry_run_prints_the_plan_or_one_line_of_why_not(tmp_path):

@@ -179,8 +179,10 @@ def engine_share_hint(shape: Shape, gpu_bytes: int, engine_fraction: float, leas
 
 
 def engine_fraction(cfg) -> float:
-    """The share of the trainer's GPU that an engine holds: SGLang started by this run, on one GPU."""
-    return cfg.engine.mem_fraction_static if cfg.engine.kind == "sglang" and not cfg.engine.urls else 0.0
+    """The share of the trainer's GPU that an engine holds: SGLang started by this run on the trainer's GPU
+    (engine.colocate; otherwise each engine has a GPU of its own)."""
+    e = cfg.engine
+    return e.mem_fraction_static if e.kind == "sglang" and not e.urls and e.colocate else 0.0
 
 
 def plan_for(cfg, gpu_bytes: int, shape: Shape | None = None) -> Plan:
