@@ -285,6 +285,21 @@ def test_sglang_gets_the_configured_share_of_its_whole_gpu():
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.3"
 
 
+def test_a_gpu_memory_read_where_there_is_none_is_one_line():
+    """The launcher reads SGLang's GPU in a child process; where torch sees no such GPU, its error is the line."""
+    import torch
+
+    from nano_miles.engine.launch import gpu_memory
+    from nano_miles.run.cli import UserError
+    if torch.cuda.is_available():
+        free, total = gpu_memory(0)
+        assert 0 < free <= total
+        return
+    with pytest.raises(UserError, match=r"^cannot read the memory of GPU 0: \w+Error: ") as e:
+        gpu_memory(0)
+    assert "\n" not in str(e.value) and "[" not in str(e.value)
+
+
 def test_router_command_line():
     from nano_miles.engine.launch import router_command
     cmd = router_command(load_config(overrides=["--engine.replicas=2", "--engine.port=1234",

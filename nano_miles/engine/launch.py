@@ -91,7 +91,8 @@ def gpu_memory(gpu: int) -> tuple[int, int]:
     probe = f"import torch; print(*torch.cuda.mem_get_info({gpu}))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     if done.returncode:
-        raise UserError(f"cannot read the memory of GPU {gpu}: {done.stderr.strip().splitlines()[-1:]}")
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise UserError(f"cannot read the memory of GPU {gpu}: {why}")
     free, total = map(int, done.stdout.split())
     return free, total
 
