@@ -225,3 +225,26 @@ def test_an_engine_that_never_answers_is_a_crash_loop_however_slow_its_start(tmp
     for i in range(2 * MAX_QUICK_CRASHES):  # without the ticks' questions, slow exits are not counted
         event(unasked, "PROCESS_STATE_STARTING", "processname:engine", 50.0 * i)
         assert event(unasked, "PROCESS_STATE_EXITED", f"processname:engine expected:0 pid:{i}", 50.0 * i + 45) is None
+
+
+def test_a_trainer_that_dies_before_each_first_step_is_a_crash_loop(tmp_path):
+    """A trainer out of memory in its first step dies after loading, past CRASH_WINDOW_S, and was restarted
+    for as long as the run lasted. Exits before a step's line reaches metrics.jsonl count; a life that
+    finished a step starts the count again."""
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    (tmp_path / "trainer.log").write_text("trainer: crashed: OutOfMemoryError: CUDA out of memory.\n")
+
+    def one_life(start: float, steps: int) -> str | None:
+        event(watch, "PROCESS_STATE_STARTING", "processname:trainer", start)
+        with open(tmp_path / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": s}) + "\n" for s in range(steps))
+        return event(watch, "PROCESS_STATE_EXITED", "processname:trainer expected:0 pid:7", start + 38)
+    assert [one_life(40.0 * i, steps=0) for i in range(MAX_QUICK_CRASHES - 1)] == [None] * 4
+    assert one_life(200.0, steps=1) is None
+    reasons = [one_life(300.0 + 40 * i, steps=0) for i in range(MAX_QUICK_CRASHES)]
+    assert reasons[:-1] == [None] * 4 and reasons[-1] == (
+        "failed: trainer exited 5 times in a row before it finished a step; "
+        "trainer.log: trainer: crashed: OutOfMemoryError: CUDA out of memory.")
+    for start in range(1000, 1000 + 80 * MAX_QUICK_CRASHES, 40):  # the rollout stage has no steps of its own
+        event(watch, "PROCESS_STATE_STARTING", "processname:rollout", start)
+        assert event(watch, "PROCESS_STATE_EXITED", "processname:rollout expected:0 pid:8", start + 38) is None

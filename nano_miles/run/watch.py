@@ -12,7 +12,8 @@ Library module of `procs/run_end.py`, the `[eventlistener:run_end]` of superviso
 * A stage cannot be kept running: it entered FATAL, or it exited MAX_QUICK_CRASHES times in a row
   within CRASH_WINDOW_S of starting (a stage that loads a model outlives `startsecs` before it fails,
   and supervisord would restart it forever), or, for an engine the watch asks for /health, before it
-  ever answered (SGLang refusing its memory share for a 3B model exited about 45 s after each start,
+  ever answered, or, for the trainer, before it finished a step (SGLang refusing its memory share for a
+  3B model exited about 45 s after each start, and a 3B trainer out of memory 38 s after each start,
   for as long as a run lasted). FAILED names the stage and quotes its log's last line.
 * A stage hangs: on each TICK_5 the watch reads the stages' heartbeats (`nano_miles/run/liveness.py`)
   and asks each engine of its own slots for /health. An engine that has not answered for
@@ -42,6 +43,7 @@ MAX_QUICK_CRASHES = 5   # this many in a row: the stage cannot run (a chaos test
 GROUP = "nanomiles"
 WATCHED = ("rollout", "reward", "trainer")  # stages that beat
 FAILED_FILE = "FAILED"
+METRICS_FILE = "metrics.jsonl"  # the trainer appends a line as each step ends
 LAST_LINE_BYTES = 8192  # how much of a log's end is read for its last line
 MAX_QUOTE_CHARS = 400
 
@@ -74,6 +76,7 @@ class RunWatch:
         self.run_dir, self.hang_timeout_s, self.supervisor = run_dir, hang_timeout_s, supervisor
         self.engines, self.is_answering = engines or {}, is_answering
         self.started_at: dict[str, float] = {}
+        self.metrics_at_start: int | None = None  # the size of METRICS_FILE when the trainer last started
         self.quick_crashes: dict[str, int] = {}
         self.killed_for_hang: set[str] = set()
         self.engine_answered: dict[str, tuple[int, float]] = {}  # program -> (pid, when it last answered)
@@ -87,17 +90,17 @@ class RunWatch:
         name = fields.get("processname", "")
         if event == "PROCESS_STATE_STARTING":
             self.started_at[name] = now
+            if name == "trainer":
+                self.metrics_at_start = self.metrics_size()
         elif event == "PROCESS_STATE_EXITED":
             if fields.get("expected") == "1":
                 return self.expected_exit(name)
             if name in self.killed_for_hang:  # our own restart, not the stage's failure
                 self.killed_for_hang.discard(name)
                 return None
-            is_quick = now - self.started_at.get(name, now) < CRASH_WINDOW_S
-            is_unready = self.never_answered(name, fields.get("pid"))
-            self.quick_crashes[name] = self.quick_crashes.get(name, 0) + 1 if is_quick or is_unready else 0
+            how = self.failed_start(name, fields.get("pid"), now)
+            self.quick_crashes[name] = self.quick_crashes.get(name, 0) + 1 if how else 0
             if self.quick_crashes[name] >= MAX_QUICK_CRASHES:
-                how = f"within {CRASH_WINDOW_S:.0f}s of starting" if is_quick else "before it answered /health"
                 return f"failed: {name} exited {self.quick_crashes[name]} times in a row {how}; {self.quote(name)}"
         elif event == "PROCESS_STATE_FATAL":
             return f"failed: {name} could not be kept running; {self.quote(name)}"
@@ -107,6 +110,23 @@ class RunWatch:
             except (xmlrpc.client.Fault, OSError) as e:  # supervisord busy or going away: next tick
                 log(self.run_dir, f"cannot check the stages this tick: {e}")
         return None
+
+    def failed_start(self, name: str, pid: str | None, now: float) -> str | None:
+        """How this exit of `name` is a crash on start, or None: soon after its start, an engine before it ever
+        answered /health, the trainer before it finished a step."""
+        if now - self.started_at.get(name, now) < CRASH_WINDOW_S:
+            return f"within {CRASH_WINDOW_S:.0f}s of starting"
+        if self.never_answered(name, pid):
+            return "before it answered /health"
+        if name == "trainer" and self.metrics_at_start == self.metrics_size():
+            return "before it finished a step"
+        return None
+
+    def metrics_size(self) -> int:
+        try:
+            return (self.run_dir / METRICS_FILE).stat().st_size
+        except OSError:  # no step yet
+            return 0
 
     def never_answered(self, name: str, pid: str | None) -> bool:
         """Is `name` an engine the ticks ask for /health, whose process `pid` never answered?"""
