@@ -73,8 +73,8 @@ def sglang_fraction(cfg: Config, replica: int, free_bytes: int, total_bytes: int
     its model loads, not times the whole GPU (`kv_cache_configurator._profile_available_bytes`). The config's
     value is a share of the whole GPU, as the trainer's memory plan counts it. An engine started beside a
     trainer that holds memory already (a restarted engine) would otherwise get that share of what is left:
-    on an 80 GB card, SGLang at 0.1 starting while a 3B trainer held 26 GB got too little for its own
-    weights and failed, start after start.
+    on an 80 GB card, SGLang at 0.1 starting while other processes held 26 GB (a 3B trainer loading its
+    policy among them) got too little for its own weights and failed, start after start.
     A UserError (one line) if the GPU has not that much free now."""
     want = cfg.engine.mem_fraction_static * total_bytes
     if want > free_bytes - ENGINE_MIN_HEADROOM_GIB * GIB:

@@ -225,8 +225,8 @@ def wait_for_engine_share(cfg, poll_s: float = 1.0) -> None:
     """Until the SGLang this run starts beside a CUDA trainer answers /health, before the trainer takes GPU
     memory of its own. SGLang sizes its static share from the memory free when its model loads
     (nano_miles/engine/launch.py, `sglang_fraction`); a trainer that loaded first would shrink that share
-    below what the plan leaves it, or below SGLang's own weights (a 3B trainer holding 26 GB of an 80 GB
-    card did). Once SGLang answers, its share is reserved. Waits as long as the trainer waits for a dead
+    below what the plan leaves it, or below SGLang's own weights (on an 80 GB card, a 3B trainer loading
+    its policy and a bench holding 12.8 GB left SGLang at 0.1 too little for its weights). Once SGLang answers, its share is reserved. Waits as long as the trainer waits for a dead
     engine, beating meanwhile; TimeoutError after that."""
     if not (engine_fraction(cfg) and cfg.trainer.device.startswith("cuda")):
         return
