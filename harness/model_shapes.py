@@ -74,7 +74,6 @@ def built(name: str, out: Path) -> Path:
     then started, and the trainer ran out of memory."""
     if not (out / "config.json").exists():
         import torch
-        print(f"building the {name} shape in {out} ...", flush=True)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         subprocess.run([sys.executable, "-m", "harness.model_shapes", "--shape", name, "--out", str(out),
                         "--device", device], check=True, cwd=Path(__file__).resolve().parents[1])

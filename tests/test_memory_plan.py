@@ -169,7 +169,7 @@ def test_a_trainer_beside_sglang_loads_once_sglang_answers(tmp_path, monkeypatch
     from nano_miles.stages.trainer import peers
     beside = ["--engine.kind=sglang", "--trainer.device=cuda:0"]
     started = time.monotonic()
-    memory_plan.wait_for_engine_share(load_config(overrides=[*beside, f"--engine.port={engine_url.rsplit(':', 1)[1]}"]))
+    peers.wait_for_engine_share(load_config(overrides=[*beside, f"--engine.port={engine_url.rsplit(':', 1)[1]}"]))
     assert time.monotonic() - started < 5
     silent = f"--engine.port={free_port()}"
     monkeypatch.setattr(peers, "PEER_TIMEOUT_S", 2.0)
@@ -178,10 +178,10 @@ def test_a_trainer_beside_sglang_loads_once_sglang_answers(tmp_path, monkeypatch
     (tmp_path / liveness.HEARTBEAT_DIR).mkdir()
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"did not answer /health in 2 s \(see engine.log\)"):
-        memory_plan.wait_for_engine_share(load_config(overrides=[*beside, silent]), poll_s=0.2)
+        peers.wait_for_engine_share(load_config(overrides=[*beside, silent]), poll_s=0.2)
     assert time.monotonic() - started >= 2
     assert liveness.read_heartbeat(tmp_path, "trainer")["waiting_for"] == "the engine to take its share of the GPU"
     for alone in (["--engine.kind=local", "--trainer.device=cuda:0"], ["--engine.kind=sglang", "--trainer.device=cpu"]):
         started = time.monotonic()
-        memory_plan.wait_for_engine_share(load_config(overrides=[*alone, silent]))
+        peers.wait_for_engine_share(load_config(overrides=[*alone, silent]))
         assert time.monotonic() - started < 1

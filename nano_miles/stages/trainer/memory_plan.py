@@ -221,30 +221,6 @@ def fit_to_device(cfg) -> tuple:
     return apply(cfg, chosen), chosen
 
 
-def wait_for_engine_share(cfg, poll_s: float = 1.0) -> None:
-    """Until the SGLang this run starts beside a CUDA trainer answers /health, before the trainer takes GPU
-    memory of its own. SGLang sizes its static share from the memory free when its model loads
-    (nano_miles/engine/launch.py, `sglang_fraction`); a trainer that loaded first would shrink that share
-    below what the plan leaves it, or below SGLang's own weights (on an 80 GB card, a 3B trainer loading
-    its policy and a bench holding 12.8 GB left SGLang at 0.1 too little for its weights). Once SGLang answers, its share is reserved. Waits as long as the trainer waits for a dead
-    engine, beating meanwhile; TimeoutError after that."""
-    if not (engine_fraction(cfg) and cfg.trainer.device.startswith("cuda")):
-        return
-    import logging
-    import time
-
-    from nano_miles.engine.group import make_engine
-    from nano_miles.run import liveness
-    from nano_miles.stages.trainer.peers import PEER_TIMEOUT_S
-    engine, deadline = make_engine(cfg.engine), time.monotonic() + PEER_TIMEOUT_S
-    logging.getLogger("trainer").info("waiting for SGLang to take its share of the GPU before loading the policy")
-    while not engine.health():
-        liveness.beat("the engine to take its share of the GPU")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"SGLang did not answer /health in {PEER_TIMEOUT_S:.0f} s (see engine.log)")
-        time.sleep(poll_s)
-
-
 def main(argv: list[str]) -> int:
     from nano_miles.run.cli import ArgumentParser
     from nano_miles.run.config import parse_config

@@ -23,6 +23,7 @@ from nano_miles.engine.group import make_engine
 from nano_miles.run import liveness
 from nano_miles.run.config import Config
 from nano_miles.run.process import StopRequested
+from nano_miles.stages.trainer.memory_plan import engine_fraction
 from nano_miles.weights.broadcast_group import WeightTransportError
 from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.tensor_sender import TensorSender
@@ -32,6 +33,24 @@ from nano_miles.wire.sockets import ControlClient, ControlTimeout
 log = logging.getLogger("trainer")
 
 PEER_TIMEOUT_S = 600.0   # how long the trainer waits for a dead engine or producer to come back
+
+
+def wait_for_engine_share(cfg: Config, poll_s: float = 1.0) -> None:
+    """Until the SGLang this run starts beside a CUDA trainer answers /health, before the trainer takes GPU
+    memory of its own. SGLang sizes its static share from the memory free when its model loads
+    (nano_miles/engine/launch.py, `sglang_fraction`); a trainer that loaded first would shrink that share
+    below what the memory plan leaves it, or below SGLang's own weights (on an 80 GB card, a 3B trainer
+    loading its policy and a bench holding 12.8 GB left SGLang at 0.1 too little for its weights). Once
+    SGLang answers, its share is reserved. Waits PEER_TIMEOUT_S, beating meanwhile; TimeoutError after."""
+    if not (engine_fraction(cfg) and cfg.trainer.device.startswith("cuda")):
+        return
+    engine, deadline = make_engine(cfg.engine), time.monotonic() + PEER_TIMEOUT_S
+    log.info("waiting for SGLang to take its share of the GPU before loading the policy")
+    while not engine.health():
+        liveness.beat("the engine to take its share of the GPU")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"SGLang did not answer /health in {PEER_TIMEOUT_S:.0f} s (see engine.log)")
+        time.sleep(poll_s)
 
 
 def make_sender(cfg: Config, engine):

@@ -159,9 +159,9 @@ def load_policy(cfg, rank: int = 0):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nano_miles.stages.trainer import lora, memory_plan
+    from nano_miles.stages.trainer import lora, peers
     if rank == 0:
-        memory_plan.wait_for_engine_share(cfg)
+        peers.wait_for_engine_share(cfg)
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32)
     return lora.wrap(model, cfg.trainer).to(cfg.trainer.device)  # trainer.lora_rank > 0: adapters train
