@@ -3,7 +3,9 @@
 Run: `pytest tests/test_checkpoint.py` (the shipped small policy, saved and damaged for real).
 """
 
+import errno
 import logging
+import shutil
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nano_miles.run.config import DEFAULT_POLICY_DIR
 
 from nano_miles.run.sections import TrainerConfig
-from nano_miles.stages.trainer.checkpoint import (MANIFEST, TrainerState, complete_checkpoints, load_newest,
+from nano_miles.stages.trainer.checkpoint import (FILES_BYTES, MANIFEST, TrainerState, checkpoint_bytes,
+                                                  complete_checkpoints, load_newest, num_saves, refuse_a_short_disk,
                                                   save_checkpoint)
 from nano_miles.stages.trainer.learner import Learner
 
@@ -184,3 +187,67 @@ def test_resume_from_another_models_checkpoint_is_one_line(saved):
     model.resize_token_embeddings(model.get_input_embeddings().num_embeddings + 8)  # another vocabulary
     with pytest.raises(UserError, match=r"^trainer.resume_from '.*step_000025' does not fit model.path \(.*shape"):
         load_resume_from(root / "step_000025", model, optimizer)
+
+
+def trained_once(model) -> Learner:
+    """A learner after one AdamW step, so that its two moments exist, as in every checkpoint of a run."""
+    optimizer = learner(model)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.full_like(p, 1e-3)
+    optimizer.optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
+def test_a_checkpoint_takes_what_its_estimate_says(tmp_path, lora_rank):
+    from nano_miles.stages.trainer import lora
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(str(DEFAULT_POLICY_DIR), dtype=torch.float32),
+                      TrainerConfig(lora_rank=lora_rank))
+    path = save_checkpoint(tmp_path, model, AutoTokenizer.from_pretrained(DEFAULT_POLICY_DIR), trained_once(model),
+                           TrainerState(step=1), {"path": "base"} if lora_rank else None)
+    on_disk = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    estimate = checkpoint_bytes(model)
+    assert estimate - FILES_BYTES < on_disk < estimate, (estimate, on_disk)  # every tensor is counted, once
+
+
+def test_the_saves_ahead_are_every_kth_step_and_the_last():
+    def saves(step, num_steps, every):
+        return num_saves(step, TrainerConfig(num_steps=num_steps, checkpoint_every=every))
+    assert saves(0, 100, 20) == 5 and saves(0, 100, 30) == 4 and saves(40, 100, 20) == 3 and saves(45, 100, 20) == 3
+    assert saves(0, 3, 0) == 1 and saves(3, 3, 0) == 0 and saves(99, 100, 20) == 1
+
+
+def model_of(num_bytes: float) -> torch.nn.Module:
+    """A model on the meta device whose checkpoint takes `num_bytes` (fp32 weights and AdamW's two moments,
+    12 B a parameter, and FILES_BYTES): its size without its memory."""
+    with torch.device("meta"):
+        return torch.nn.Linear(int((num_bytes - FILES_BYTES) / 12), 1, bias=False)
+
+
+def test_a_disk_too_small_for_the_checkpoints_to_come_is_refused_in_one_line(saved, tmp_path):
+    from nano_miles.run.cli import UserError
+    free = shutil.disk_usage(tmp_path).free
+    model = model_of(free / 2.5)  # one checkpoint fits, three at once do not
+    assert abs(checkpoint_bytes(model) - free / 2.5) < 12
+    fresh = tmp_path / "fresh" / "checkpoints"  # not made yet: its nearest existing parent's disk counts
+    assert "1 to come, 1 more at once" in refuse_a_short_disk(fresh, model, 1)
+    with pytest.raises(UserError, match=rf"checkpoints need about .* GiB in {fresh} \(3 at once of .* GiB"):
+        refuse_a_short_disk(fresh, model, 5)
+    kept, _, _, _ = saved  # two checkpoints kept: the third is written before the oldest goes
+    assert "5 to come, 1 more at once" in refuse_a_short_disk(kept, model, 5)
+    with pytest.raises(UserError, match="a checkpoint needs about"):
+        refuse_a_short_disk(kept, model_of(free * 2), 1)
+
+
+def test_a_failed_save_leaves_no_part_and_the_older_checkpoints_as_they_were(saved):
+    root, _, model, optimizer = saved
+
+    def save(directory):
+        (directory / "model.safetensors").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(root, model, AutoTokenizer.from_pretrained(DEFAULT_POLICY_DIR), optimizer,
+                        TrainerState(step=30), save=save)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000020", "step_000025"]
+    assert [p.name for p in complete_checkpoints(root)] == ["step_000020", "step_000025"]

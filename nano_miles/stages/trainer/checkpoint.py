@@ -41,7 +41,7 @@ import torch
 
 from nano_miles.run.cli import UserError
 from nano_miles.stages.trainer.lora import load_adapters
-from nano_miles.weights.named_tensors import WeightUpdateError, load_safetensors_dir
+from nano_miles.weights.named_tensors import WeightUpdateError, has_adapters, load_safetensors_dir
 
 log = logging.getLogger("trainer")
 
@@ -51,6 +51,9 @@ MANIFEST = "manifest.json"
 OPTIMIZER_DIR = "optimizer"  # a sharded trainer's optimizer state, each rank's part (torch.distributed.checkpoint)
 TRAINER_FILES = (STATE_FILE, MANIFEST, BASE_FILE, OPTIMIZER_DIR)  # what a checkpoint holds beyond the HF model directory
 KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
+FILES_BYTES = 64 * 2**20  # a checkpoint's files beside its tensors: the tokenizer's (11 MB for Qwen2.5's), the ledger
+DISK_MARGIN = 1.02  # the file system's own
+GIB = 2**30
 
 
 @dataclass
@@ -144,20 +147,25 @@ def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, 
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    refuse_a_short_disk(root, model, 1)  # the disk may have filled since the trainer started
     tmp.mkdir(parents=True)
-    kept = save_model(tmp, model, learner) if save is None else save(tmp)
-    tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
-    torch.save({**kept, **state.saved()}, tmp / STATE_FILE)
-    if base:
-        (tmp / BASE_FILE).write_text(json.dumps(base))
-    _write_manifest(tmp)  # last: its presence says every file before it was written whole
-    for p in tmp.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        else:
-            _fsync_dir(p)
-    _fsync_dir(tmp)
+    try:
+        kept = save_model(tmp, model, learner) if save is None else save(tmp)
+        tokenizer.save_pretrained(tmp)  # the model directory is whole: it loads and encodes anywhere
+        torch.save({**kept, **state.saved()}, tmp / STATE_FILE)
+        if base:
+            (tmp / BASE_FILE).write_text(json.dumps(base))
+        _write_manifest(tmp)  # last: its presence says every file before it was written whole
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+            else:
+                _fsync_dir(p)
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a part of a checkpoint only takes space
+        raise
     if final.exists():  # the same step saved again after a restart: replace it whole
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -165,6 +173,47 @@ def save_checkpoint(root: Path, model, tokenizer, learner, state: TrainerState, 
     for old in complete_checkpoints(root)[:-KEEP_LAST]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_bytes(model) -> int:
+    """At most what one checkpoint of `model` takes on disk: the model's weights (a LoRA model's: its
+    adapters) and AdamW's two moments of every trained parameter, each in the parameter's dtype (a full
+    fine-tune of 3.1 B fp32 parameters: 12 GB of weights and 25 GB of AdamW state), and FILES_BYTES. A
+    sharded model's parameters count whole: rank 0 writes the gathered weights, the ranks the optimizer's shards."""
+    def size(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return size(trained if has_adapters(model) else model.parameters()) + 2 * size(trained) + FILES_BYTES
+
+
+def num_saves(step: int, trainer) -> int:
+    """How many checkpoints the steps after `step` write: every `trainer.checkpoint_every`-th one and the
+    last (`trainer`: the config's section)."""
+    num_steps, every = trainer.num_steps, trainer.checkpoint_every
+    if step >= num_steps:
+        return 0
+    periodic = (num_steps // every - step // every) if every > 0 else 0
+    return periodic + (0 if every > 0 and num_steps % every == 0 else 1)
+
+
+def refuse_a_short_disk(root: Path, model, saves: int) -> str:
+    """Refuse (UserError) when the disk under `root` cannot hold the `saves` checkpoints to come: up to
+    KEEP_LAST kept and one being written at once, beside those there now. Found by a failing save
+    instead, a full disk would cost the steps since the last checkpoint at every restart; this way the
+    run ends with one line and its checkpoints as they are. Returns what it found, for the log."""
+    each = checkpoint_bytes(model)
+    kept = len(complete_checkpoints(root))
+    at_once = max(0, min(KEEP_LAST + 1, kept + saves) - kept)
+    free = shutil.disk_usage(next(p for p in (root, *root.parents) if p.exists())).free
+    if free < at_once * each * DISK_MARGIN:
+        needs = "this run's checkpoints need" if at_once > 1 else "a checkpoint needs"
+        raise UserError(f"{needs} about "
+                        f"{at_once * each * DISK_MARGIN / GIB:.1f} GiB in {root} ({at_once} at once of "
+                        f"{each / GIB:.1f} GiB: the model's weights and AdamW's state), and {free / GIB:.1f} GiB "
+                        "are free there; free some space (the run resumes from its newest checkpoint) or set "
+                        "run.dir on a larger disk")
+    return (f"checkpoints: about {each / GIB:.1f} GiB each, {saves} to come, {at_once} more at once on disk; "
+            f"{free / GIB:.1f} GiB free in {root}")
 
 
 def _checkpoint_dirs(root: Path) -> list[Path]:

@@ -36,7 +36,8 @@ from nano_miles.run.config import Config
 from nano_miles.run.identity import ensure_run_identity, refuse_another_split, write_run_identity
 from nano_miles.run.process import StopRequested
 from nano_miles.stages.trainer import lora
-from nano_miles.stages.trainer.checkpoint import TrainerState, load_newest, load_resume_from, save_checkpoint
+from nano_miles.stages.trainer.checkpoint import (TrainerState, load_newest, load_resume_from, num_saves,
+                                                  refuse_a_short_disk, save_checkpoint)
 from nano_miles.stages.trainer.learner import TrainSample, make_learner
 from nano_miles.stages.trainer.peers import Peers
 from nano_miles.stages.trainer.ranks import Ranks
@@ -204,6 +205,8 @@ class Trainer:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
             log.info("starting run %s in %s", self.state.run_id, self.run_dir)
         self.state.split = split  # also into a checkpoint made before the split was recorded
+        log.info(refuse_a_short_disk(self.run_dir / "checkpoints", self.model,  # one line now, not at the last step
+                                     num_saves(self.step, self.cfg.trainer)))
 
     def elapsed_s(self) -> float:
         """Wall time since the run started, time lost to restarts included."""
@@ -324,16 +327,13 @@ class Trainer:
     def refuse(self, group: RolloutGroup, reason: str) -> None:
         """Count a refused group; the producer issues a stale or future one again, not a consumed one."""
         group_id = group.group_id
-        if reason == admission.DUPLICATE:
-            self.count_drop(reason)  # consumed already: nothing to re-issue
-        elif reason == admission.NO_SIGNAL:
+        self.count_drop(reason)
+        if reason == admission.NO_SIGNAL:
             # nothing to learn from: consumed, the ledger keeps it as such, and it is never issued again
-            self.count_drop(reason)
             self.state.no_signal_ids.add(group_id)
             self.unreported_no_signal.append(group_id)
             self.advance_cursor([group_id])
-        else:
-            self.count_drop(reason)
+        elif reason != admission.DUPLICATE:  # a duplicate is consumed already: nothing to re-issue
             self.dropped[group_id] = max(group.attempt, self.dropped.get(group_id, 0))
 
     def optimize(self, groups: list[ScoredGroup]) -> tuple[StepStats, list]:
