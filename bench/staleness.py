@@ -2,7 +2,7 @@
 
 Run: python bench/staleness.py [--staleness=0,1,2,4] [--seeds=0,1,2] [--target-accuracy=+4] [--out=DIR]
      [--replicas=1,2] [--speedup-target=X] [--config FILE] [--section.key=value ...]
-     [--keep-runs=DIR: keep the run directories] [--from-runs=DIR: only re-read kept ones]
+     [--keep-runs=DIR: keep the run directories, less their checkpoints] [--from-runs=DIR: only re-read kept ones]
 On a GPU: python bench/staleness.py --staleness=2 --seeds=0 --replicas=1,2 --speedup-target=1.8
           --target-accuracy=0.9 --config configs/gpu_large.toml --engine.mem_fraction_static=0.15
           --out=bench/results/gpu
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -69,6 +70,9 @@ def run_variant(name: str, seed: int, overrides: list[str], root: Path) -> dict:
             raise SystemExit(f"{name} (seed {seed}) failed:\n{run.tail()}")
     finally:
         run.stop()
+    # a bench reads figures, not models: a run's final checkpoint goes (a full fine-tune's holds the model
+    # and AdamW's state, 37 GB at Qwen2.5-3B's shape, and the next run's would not fit beside it on 64 GiB)
+    shutil.rmtree(run.run_dir / "checkpoints", ignore_errors=True)
     return read_run(name, seed, run.run_dir)
 
 

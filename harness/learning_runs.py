@@ -53,7 +53,7 @@ def margin(config: str, gain: str) -> float:
 
 
 def follow(run, timeout_s: float) -> None:
-    """Print the trainer's step lines as they come, until the run ends."""
+    """Print the trainer's step lines, warnings and errors as they come, until the run ends."""
     log_path, offset = run.run_dir / "trainer.log", 0
     deadline = time.monotonic() + timeout_s
     while True:
@@ -68,7 +68,7 @@ def follow(run, timeout_s: float) -> None:
             complete = new[:new.rfind(b"\n") + 1]
             offset += len(complete)
             for line in complete.decode(errors="replace").splitlines():
-                if " step " in line or "held-out" in line:
+                if any(mark in line for mark in (" step ", "held-out", " WARNING ", " ERROR ")):
                     print(line, flush=True)
         if has_ended:
             return
