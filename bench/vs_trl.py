@@ -2,7 +2,7 @@
 
 Run: python bench/vs_trl.py [--policies medium,large | --shapes 0.5b,1.5b | --model DIR] [--steps 50]
                             [--out DIR] [--name vs_trl] [--trl-pythonpath PATH] [--trl-generation generate|paged]
-                            [--section.key=value ...]
+                            [--runs sync,async,trl] [--section.key=value ...]
      python bench/vs_trl.py --from A.json B.json [--out DIR] [--name NAME]   (earlier results, reported together)
 On one GPU, after building the policies (python -m nano_miles.policy build --shape medium|large
 --device cuda --out runs/policy-medium|large) and with trl importable (pip install trl; a host
@@ -34,7 +34,9 @@ async S=2 at >= 3x TRL's samples/s on the large policy, final accuracy not below
 the 3-point noise of 200 held-out problems. The JSON is written after every run (`"complete": false`,
 the runs so far) and again at the end with the targets and verdicts, so a bench cut short keeps its
 runs; `--from` refuses such a file. TRL's process writes a line as each step ends to trl.log in its run
-directory (`--keep-runs DIR` puts the run directories where they outlast the bench).
+directory (`--keep-runs DIR` puts the run directories where they outlast the bench). Where one sitting
+cannot hold all three runs, `--runs sync,async` and `--runs trl` make them in two benches on one machine,
+and `--from` both files compares them (it refuses runs made with other settings or on another device).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ SHAPE_TARGETS = (5.0, 8.0)  # sync, async S=2 samples/s over TRL's at Qwen2.5's 
 # (TRL's side evaluates through transformers' generate, one call per prompt length: slow at these sizes)
 SHAPE_OVERRIDES = ["--trainer.eval_every=0", "--task.num_test=8"]
 ACCURACY_NOISE = 0.03      # final accuracy may trail TRL's by this much (200 problems: ~3 points)
+RUNS = ("sync", "async", "trl")  # every policy's runs, in the order a bench runs them
 
 
 def title(key: str) -> str:
@@ -258,10 +261,11 @@ def plot(results: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def measure(entry: Entry, overrides: list[str], generation: str, env: dict, root: Path,
+def measure(entry: Entry, overrides: list[str], generation: str, env: dict, root: Path, runs: list[str],
             on_run: Callable[[dict], None]) -> dict:
-    """The three runs of one entry (its config with `overrides`), the target from their start, both sides'
-    settings; `on_run` is handed the entry's result so far after each run."""
+    """The `runs` of one entry (its config with `overrides`) and both sides' settings; `on_run` is handed
+    the entry's result so far after each run."""
+    import torch
     config = str(REPO_ROOT / entry.config)
     starts = {"sync": lambda: run_nano("sync", config, overrides, root),
               "async": lambda: run_nano("async S=2", config, overrides + ["--run.mode=async",
@@ -269,20 +273,46 @@ def measure(entry: Entry, overrides: list[str], generation: str, env: dict, root
               "trl": lambda: run_trl(config, overrides, generation, env, root)}
     result = {"config": entry.config, "overrides": overrides, "target_points": entry.target_points,
               "speed_targets": list(entry.speed_targets),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "nano_settings": nano_settings(load_config(config, overrides)), "runs": {}}
-    for key, start in starts.items():
-        result["runs"][key] = start()
+    for key in runs:
+        result["runs"][key] = starts[key]()
         on_run(result)
-    accuracies = [r["evals"][0]["accuracy"] for r in result["runs"].values()]
-    result["target_accuracy"] = (None if entry.target_points is None
-                                 else sum(accuracies) / len(accuracies) + entry.target_points / 100)
     return result
+
+
+def merged(paths: list[Path]) -> dict:
+    """The policies of earlier results, the runs of one policy gathered from every file that holds some
+    (made with the same settings on the same device, e.g. by `--runs` in two benches on one machine)."""
+    results: dict = {}
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"--from {path}: no such file")
+        earlier = json.loads(path.read_text())
+        if earlier.get("complete") is False:
+            raise UserError(f"--from {path}: a bench cut short wrote it (\"complete\": false); its runs "
+                            "have no targets or verdicts to report")
+        for policy, res in earlier["policies"].items():
+            have = results.setdefault(policy, {**res, "runs": {}})
+            if [have.get(k) for k in ("overrides", "device")] != [res.get(k) for k in ("overrides", "device")]:
+                raise UserError(f"--from {path}: its {policy} runs had other settings or another device than "
+                                f"the earlier files' ({res.get('device')} against {have.get('device')})")
+            if twice := sorted(have["runs"].keys() & res["runs"].keys()):
+                raise UserError(f"--from {path}: {policy} has its {', '.join(twice)} run in an earlier file too")
+            have["runs"].update(res["runs"])
+    for policy, res in results.items():
+        if missing := [k for k in RUNS if k not in res["runs"]]:
+            raise UserError(f"--from: no file holds the {', '.join(missing)} run of {policy}")
+    return results
 
 
 def report(results: dict, out: Path, name: str) -> None:
     """Settings side by side (stopping on a mismatch), the table and the verdicts of every policy;
     `name`.json and `name`.png into `out`."""
     for p, res in results.items():
+        starts = [r["evals"][0]["accuracy"] for r in res["runs"].values()]  # the target: points above their mean
+        res["target_accuracy"] = (None if res["target_points"] is None
+                                  else sum(starts) / len(starts) + res["target_points"] / 100)
         for r in res["runs"].values():
             r["seconds_to_target"] = (None if res["target_accuracy"] is None
                                       else time_to_reach(r["evals"], res["target_accuracy"]))
@@ -314,23 +344,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trl-generation", choices=("generate", "paged"), default="generate",
                         help="TRL's generation: model.generate or transformers' paged continuous batching")
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep every run's directory here")
+    parser.add_argument("--runs", default=",".join(RUNS), help="which of sync, async, trl to run (the others: "
+                        "another bench's, joined by --from)")
     parser.add_argument("--from", dest="from_files", type=Path, nargs="+", default=None,
                         help="no new runs: report the policies of these earlier JSON results together")
     args = parser.parse_args([a for a in argv if not is_override(a)])
     if args.from_files is not None:
-        results = {}
-        for path in args.from_files:
-            if not path.is_file():
-                raise UserError(f"--from {path}: no such file")
-            earlier = json.loads(path.read_text())
-            if earlier.get("complete") is False:
-                raise UserError(f"--from {path}: a bench cut short wrote it (\"complete\": false); its runs "
-                                "have no targets or verdicts to report")
-            results.update(earlier["policies"])
-        report(results, args.out, args.name)
+        report(merged(args.from_files), args.out, args.name)
         return 0
     if args.steps < 1:
         raise UserError("--steps takes a positive count")
+    runs = list(dict.fromkeys(args.runs.split(",")))
+    if unknown := [r for r in runs if r not in RUNS]:
+        raise UserError(f"--runs takes names from {', '.join(RUNS)}, not {', '.join(map(repr, unknown))}")
     chosen = entries(args)
     defaults = [f"--trainer.num_steps={args.steps}", f"--trainer.eval_every={max(1, args.steps // 6)}",
                 "--trainer.checkpoint_every=0", "--run.seed=0"]
@@ -358,7 +384,12 @@ def main(argv: list[str]) -> int:
         root = args.keep_runs or Path(tmp)
         for e in chosen:
             results[e.name] = measure(e, overrides[e.name], args.trl_generation, env, root / e.name.replace(" ", "_"),
-                                      lambda so_far, name=e.name: save(name, so_far))
+                                      runs, lambda so_far, name=e.name: save(name, so_far))
+    if set(runs) != set(RUNS):  # a part of the comparison: complete as asked, reported with the rest
+        write_result(args.out / f"{args.name}.json", {"policies": results}, is_complete=True)
+        print(f"wrote {args.out / args.name}.json: the {args.runs} runs; with the file of the others, "
+              "python bench/vs_trl.py --from A.json B.json compares them")
+        return 0
     report(results, args.out, args.name)
     return 0
 

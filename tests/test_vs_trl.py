@@ -74,3 +74,27 @@ def test_the_bench_names_its_sections_by_policy_shape_or_model(monkeypatch):
     assert model.name == "my-model" and model.overrides[0] == f"--model.path={REPO / 'runs' / 'my-model'}"
     with pytest.raises(UserError, match="--shapes takes names from 0.5b, 1.5b, 3b, 7b, not 2b"):
         vs_trl.entries(args(shapes="2b"))
+
+
+def test_runs_of_two_benches_are_compared_only_when_they_make_one_comparison(tmp_path, monkeypatch):
+    """`--runs` splits a comparison over two benches on one machine; `--from` joins the runs of a policy
+    made with the same settings on the same device, each once, and refuses anything else in one line."""
+    from nano_miles.run.cli import UserError
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import vs_trl
+
+    def result(name, runs, complete=True, device="NVIDIA H100 80GB HBM3", overrides=("--trainer.num_steps=6",)):
+        policy = {"config": "configs/gpu_large.toml", "overrides": list(overrides), "target_points": None,
+                  "device": device, "runs": {r: {"name": r} for r in runs}}
+        (tmp_path / name).write_text(json.dumps({"complete": complete, "policies": {"0.5b": policy}}))
+        return tmp_path / name
+    nano, trl = result("nano.json", ["sync", "async"]), result("trl.json", ["trl"])
+    assert list(vs_trl.merged([nano, trl])["0.5b"]["runs"]) == ["sync", "async", "trl"]
+    refusals = [("no file holds the trl run of 0.5b", [nano]),
+                ("0.5b has its async, sync run in an earlier file too", [nano, nano]),
+                ("other settings or another device", [nano, result("h200.json", ["trl"], device="NVIDIA H200")]),
+                ("other settings or another device", [nano, result("8.json", ["trl"], overrides=["--trainer.num_steps=8"])]),
+                ("a bench cut short wrote it", [nano, result("cut.json", ["trl"], complete=False)])]
+    for says, files in refusals:
+        with pytest.raises(UserError, match=says):
+            vs_trl.merged(files)
