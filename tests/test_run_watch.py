@@ -237,14 +237,42 @@ def test_a_trainer_that_dies_before_each_first_step_is_a_crash_loop(tmp_path):
     def one_life(start: float, steps: int) -> str | None:
         event(watch, "PROCESS_STATE_STARTING", "processname:trainer", start)
         with open(tmp_path / "metrics.jsonl", "a") as f:
-            f.writelines(json.dumps({"step": s}) + "\n" for s in range(steps))
+            f.writelines(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1))
         return event(watch, "PROCESS_STATE_EXITED", "processname:trainer expected:0 pid:7", start + 38)
     assert [one_life(40.0 * i, steps=0) for i in range(MAX_QUICK_CRASHES - 1)] == [None] * 4
     assert one_life(200.0, steps=1) is None
     reasons = [one_life(300.0 + 40 * i, steps=0) for i in range(MAX_QUICK_CRASHES)]
     assert reasons[:-1] == [None] * 4 and reasons[-1] == (
+        "failed: trainer exited 5 times in a row without training past step 1; "
+        "trainer.log: trainer: crashed: OutOfMemoryError: CUDA out of memory.")
+    (tmp_path / "metrics.jsonl").unlink()
+    watch = RunWatch(tmp_path, hang_timeout_s=0)  # a run whose trainer never finished a step
+    assert [one_life(40.0 * i, steps=0) for i in range(MAX_QUICK_CRASHES)][-1] == (
         "failed: trainer exited 5 times in a row before it finished a step; "
         "trainer.log: trainer: crashed: OutOfMemoryError: CUDA out of memory.")
     for start in range(1000, 1000 + 80 * MAX_QUICK_CRASHES, 40):  # the rollout stage has no steps of its own
         event(watch, "PROCESS_STATE_STARTING", "processname:rollout", start)
         assert event(watch, "PROCESS_STATE_EXITED", "processname:rollout expected:0 pid:8", start + 38) is None
+
+
+def test_a_trainer_that_dies_at_the_same_step_after_each_restart_is_a_crash_loop(tmp_path):
+    """A 3B trainer whose final checkpoint did not fit on the disk resumed from step 0 and trained its three
+    steps again, after each start. An exit counts when the trainer trained no step past the furthest one
+    in metrics.jsonl; a life that got further starts the count again, and a cut last line is no step."""
+    watch = RunWatch(tmp_path, hang_timeout_s=0)
+    (tmp_path / "trainer.log").write_text("trainer: crashed: OSError: [Errno 28] No space left on device\n")
+
+    def one_life(start: float, steps: range, stage: str = "trainer") -> str | None:
+        event(watch, "PROCESS_STATE_STARTING", f"processname:{stage}", start)
+        with open(tmp_path / "metrics.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": s}) + "\n" for s in steps)
+            f.write('{"step": 9')  # its last line, cut short by the exit
+        return event(watch, "PROCESS_STATE_EXITED", f"processname:{stage} expected:0 pid:7", start + 90)
+    assert one_life(0.0, range(1, 4)) is None  # steps 1-3: the furthest so far
+    assert [one_life(100.0 * i, range(1, 4)) for i in range(1, MAX_QUICK_CRASHES)] == [None] * 4
+    assert one_life(500.0, range(1, 5)) is None  # step 4: further, the count starts again
+    assert one_life(600.0, range(3, 5), stage="rollout") is None  # another stage's exit reads no steps
+    reasons = [one_life(700.0 + 100 * i, range(3, 5)) for i in range(MAX_QUICK_CRASHES)]
+    assert reasons[:-1] == [None] * 4 and reasons[-1] == (
+        "failed: trainer exited 5 times in a row without training past step 4; "
+        "trainer.log: trainer: crashed: OSError: [Errno 28] No space left on device")

@@ -12,9 +12,11 @@ Library module of `procs/run_end.py`, the `[eventlistener:run_end]` of superviso
 * A stage cannot be kept running: it entered FATAL, or it exited MAX_QUICK_CRASHES times in a row
   within CRASH_WINDOW_S of starting (a stage that loads a model outlives `startsecs` before it fails,
   and supervisord would restart it forever), or, for an engine the watch asks for /health, before it
-  ever answered, or, for the trainer, before it finished a step (SGLang refusing its memory share for a
-  3B model exited about 45 s after each start, and a 3B trainer out of memory 38 s after each start,
-  for as long as a run lasted). FAILED names the stage and quotes its log's last line.
+  ever answered, or, for the trainer, before it trained a step past the furthest one in metrics.jsonl
+  (SGLang refusing its memory share for a 3B model exited about 45 s after each start, a 3B trainer out
+  of memory 38 s after each start, and a 3B trainer whose final checkpoint did not fit on the disk
+  trained its three steps again after each start, for as long as a run lasted). FAILED names the stage
+  and quotes its log's last line.
 * A stage hangs: on each TICK_5 the watch reads the stages' heartbeats (`nano_miles/run/liveness.py`)
   and asks each engine of its own slots for /health. An engine that has not answered for
   `run.hang_timeout_s` is restarted. While any engine does not answer, the stages are not judged (they
@@ -76,7 +78,8 @@ class RunWatch:
         self.run_dir, self.hang_timeout_s, self.supervisor = run_dir, hang_timeout_s, supervisor
         self.engines, self.is_answering = engines or {}, is_answering
         self.started_at: dict[str, float] = {}
-        self.metrics_at_start: int | None = None  # the size of METRICS_FILE when the trainer last started
+        self.metrics_at_start = 0  # the size of METRICS_FILE when the trainer last started
+        self.furthest_step = 0  # the furthest step METRICS_FILE holds, of what the watch has read
         self.quick_crashes: dict[str, int] = {}
         self.killed_for_hang: set[str] = set()
         self.engine_answered: dict[str, tuple[int, float]] = {}  # program -> (pid, when it last answered)
@@ -113,13 +116,17 @@ class RunWatch:
 
     def failed_start(self, name: str, pid: str | None, now: float) -> str | None:
         """How this exit of `name` is a crash on start, or None: soon after its start, an engine before it ever
-        answered /health, the trainer before it finished a step."""
+        answered /health, the trainer before it trained a step past the furthest one (it resumes from its
+        newest checkpoint: a trainer that dies at the same point trains the same steps again and again)."""
+        furthest = self.furthest_step
+        if name == "trainer":
+            self.furthest_step = max([furthest, *self.steps_since_start()])
         if now - self.started_at.get(name, now) < CRASH_WINDOW_S:
             return f"within {CRASH_WINDOW_S:.0f}s of starting"
         if self.never_answered(name, pid):
             return "before it answered /health"
-        if name == "trainer" and self.metrics_at_start == self.metrics_size():
-            return "before it finished a step"
+        if name == "trainer" and self.furthest_step == furthest:
+            return f"without training past step {furthest}" if furthest else "before it finished a step"
         return None
 
     def metrics_size(self) -> int:
@@ -127,6 +134,22 @@ class RunWatch:
             return (self.run_dir / METRICS_FILE).stat().st_size
         except OSError:  # no step yet
             return 0
+
+    def steps_since_start(self) -> list[int]:
+        """The steps the trainer wrote to METRICS_FILE since it last started (the file is only appended to)."""
+        try:
+            with (self.run_dir / METRICS_FILE).open("rb") as f:
+                f.seek(self.metrics_at_start)
+                lines = f.read().splitlines()
+        except OSError:
+            return []
+        steps = []
+        for line in lines:
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):  # a line cut short by the exit
+                pass
+        return steps
 
     def never_answered(self, name: str, pid: str | None) -> bool:
         """Is `name` an engine the ticks ask for /health, whose process `pid` never answered?"""
