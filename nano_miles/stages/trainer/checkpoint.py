@@ -41,6 +41,7 @@ import torch
 
 from nano_miles.run.cli import UserError
 from nano_miles.stages.trainer.lora import load_adapters
+from nano_miles.stages.trainer.memory_plan import GIB
 from nano_miles.weights.named_tensors import WeightUpdateError, has_adapters, load_safetensors_dir
 
 log = logging.getLogger("trainer")
@@ -53,7 +54,6 @@ TRAINER_FILES = (STATE_FILE, MANIFEST, BASE_FILE, OPTIMIZER_DIR)  # what a check
 KEEP_LAST = 2  # older complete checkpoints are deleted after a new one lands
 FILES_BYTES = 64 * 2**20  # a checkpoint's files beside its tensors: the tokenizer's (11 MB for Qwen2.5's), the ledger
 DISK_MARGIN = 1.02  # the file system's own
-GIB = 2**30
 
 
 @dataclass

@@ -73,6 +73,8 @@ class Trainer:
         self.base = lora.base_identity(cfg.model_dir) if has_adapters(model) else None
         self.resume_from_checkpoint(split)
         self.saved_step = self.step  # the step of the newest checkpoint (0: the base model needs none)
+        log.info(refuse_a_short_disk(self.run_dir / "checkpoints", model,  # one line now, not at the last step
+                                     num_saves(self.step, t)))
         self.is_stop_requested = False
         self.trained_ids: set[str] = self.state.trained_ids
         self.num_items = split["num_items"]  # group ids <-> dataset positions
@@ -205,8 +207,6 @@ class Trainer:
             self.state.run_id, self.state.started_at = ensure_run_identity(self.run_dir)
             log.info("starting run %s in %s", self.state.run_id, self.run_dir)
         self.state.split = split  # also into a checkpoint made before the split was recorded
-        log.info(refuse_a_short_disk(self.run_dir / "checkpoints", self.model,  # one line now, not at the last step
-                                     num_saves(self.step, self.cfg.trainer)))
 
     def elapsed_s(self) -> float:
         """Wall time since the run started, time lost to restarts included."""
