@@ -1,9 +1,13 @@
 """Distributed weight updates against a real local engine process: gloo group, broadcast, versions."""
 
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
-from conftest import start_engine, stop_process
+from conftest import REPO, free_port, start_engine, stop_process
 from nano_miles.engine.client import EngineClient, EngineError
 from nano_miles.weights.broadcast_sender import BroadcastSender
 from nano_miles.weights.named_tensors import tied_names
@@ -143,3 +147,77 @@ def test_update_without_group_is_refused(engine):
     with pytest.raises(EngineError, match="init_weights_update_group first"):
         client._call("POST", "/update_weights_from_distributed", body)
     assert client.model_info()["weight_version"] == served
+
+
+# The trainer's side of a weight group, in its own process (torch registers a group's name once per
+# process): for each port read from stdin, it hosts a group there and drops the one before.
+RANK0_PEER = """
+import sys
+from nano_miles.weights.broadcast_group import drop_weight_group, new_weight_group
+group = None
+for line in sys.stdin:
+    if group is not None:
+        drop_weight_group(group)
+    group = new_weight_group("gloo", "127.0.0.1", int(line), 0, 2, "stale_receive_group", 30.0)
+"""
+
+
+def test_a_receive_that_outlives_its_group_leaves_the_next_one_of_that_name_alone(monkeypatch):
+    """A broadcast the trainer gave up on fails on the engine only once the trainer's old sockets close,
+    by which time the trainer may have destroyed that group and the engine joined a new one of the same
+    name. That failure must not forget the new group: torch would keep its name taken, and the engine
+    would refuse every later group of that name ("already been created")."""
+    from nano_miles.local_engine import weight_group as engine_side
+    from nano_miles.weights.broadcast_group import WeightTransportError
+
+    name = "stale_receive_group"
+    in_broadcast, fail_it = threading.Event(), threading.Event()
+
+    def broadcast_failing_late(group, tensors):  # the stale broadcast: it fails when the test says so
+        in_broadcast.set()
+        fail_it.wait(30)
+        raise WeightTransportError("broadcast failed: Connection closed by peer")
+
+    monkeypatch.setattr(engine_side, "broadcast_from_rank0", broadcast_failing_late)
+    groups = engine_side.WeightGroups("cpu")
+    trainer = subprocess.Popen([sys.executable, "-c", RANK0_PEER], cwd=REPO, stdin=subprocess.PIPE, text=True)
+
+    def join() -> None:
+        port = free_port()
+        trainer.stdin.write(f"{port}\n")
+        trainer.stdin.flush()
+        groups.init({"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                     "group_name": name, "backend": "gloo", "timeout_s": 15})
+
+    errors = []
+
+    def receive() -> None:
+        try:
+            groups.receive({"names": ["w"], "dtypes": ["float32"], "shapes": [[2]], "group_name": name,
+                            "load_format": None})
+        except Exception as e:  # noqa: BLE001 - which error it is, is what the test checks
+            errors.append(e)
+
+    stale = threading.Thread(target=receive)
+    try:
+        join()
+        stale.start()
+        assert in_broadcast.wait(10)
+        groups.destroy({"group_name": name})  # the trainer's next init_group drops the engine's group,
+        join()                                # then builds a new one
+        fail_it.set()
+        stale.join(10)
+        assert [type(e) for e in errors] == [WeightTransportError], errors
+        groups.destroy({"group_name": name})  # the new group is still the engine's to drop ...
+        join()                                # ... and its name free to join again
+        groups.destroy({"group_name": name})
+    finally:
+        fail_it.set()
+        if stale.is_alive():
+            stale.join(10)
+        trainer.stdin.close()
+        try:
+            trainer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+            trainer.wait()

@@ -74,9 +74,17 @@ class WeightGroups:
         try:
             broadcast_from_rank0(group, [t for _, t in named])
         except WeightTransportError:
-            with self._lock:  # the group is out of step now; the trainer builds a new one
-                self._groups.pop(group_name, None)
-            drop_weight_group(group)
+            # The group is out of step now; the trainer builds a new one. A receive can outlive its
+            # group, though: a broadcast the trainer gave up on fails here only once the trainer's old
+            # sockets close, and by then /destroy_weights_update_group may have dropped this group and
+            # a new group of the same name been joined. That one is not this receive's to forget: out
+            # of `_groups` but still registered with torch, its name could never be joined again.
+            with self._lock:
+                is_current = self._groups.get(group_name) is group
+                if is_current:
+                    del self._groups[group_name]
+            if is_current:  # else whoever removed it dropped it
+                drop_weight_group(group)
             raise
         return named
 
