@@ -34,8 +34,9 @@ from trainer_memory import make_model, random_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # kernel (GPU) or operator (CPU) names, by kind; the first pattern that matches a name wins
-KINDS = (("matrix multiply", r"gemm|cutlass|nvjet|xmma|cublas|matmul|\baten::(mm|addmm|bmm|linear)\b"),
-         ("attention", r"flash|fmha|attention|sdpa"),
+# (attention first: FlashAttention's kernels carry CUTLASS's types in their names)
+KINDS = (("attention", r"flash|fmha|attention|sdpa"),
+         ("matrix multiply", r"gemm|cutlass|nvjet|xmma|cublas|matmul|\baten::(mm|addmm|bmm|linear)\b"),
          ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll_loss"),
          ("optimizer", r"adam|multi_tensor|foreach"),
          ("copy / cast", r"copy|memcpy|memset|cast|convert"))

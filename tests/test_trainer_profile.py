@@ -43,7 +43,10 @@ def test_the_cpu_step_is_split_by_operator(tmp_path):
 @pytest.mark.parametrize("name, kind", [
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "matrix multiply"),
     ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "matrix multiply"),
-    ("void flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128>>", "attention"),
+    # as an H100 names it: CUTLASS's types inside, and attention all the same
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 4, "
+     "4, 4, false, false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 8, cutlass::bfloat16_t> >>",
+     "attention"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
      "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "softmax / log-probs"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>",
