@@ -33,10 +33,11 @@ bench/results). Targets: nano-miles ahead of TRL in samples/s and time to target
 async S=2 at >= 3x TRL's samples/s on the large policy, final accuracy not below TRL's by more than
 the 3-point noise of 200 held-out problems. The JSON is written after every run (`"complete": false`,
 the runs so far) and again at the end with the targets and verdicts, so a bench cut short keeps its
-runs; `--from` refuses such a file. TRL's process writes a line as each step ends to trl.log in its run
+runs, and `--from` takes them. TRL's process writes a line as each step ends to trl.log in its run
 directory (`--keep-runs DIR` puts the run directories where they outlast the bench). Where one sitting
 cannot hold all three runs, `--runs sync,async` and `--runs trl` make them in two benches on one machine,
-and `--from` both files compares them (it refuses runs made with other settings or on another device).
+and `--from` both files compares them (it refuses runs made with other settings or on another device,
+and a policy that lacks one of the three runs in every file).
 """
 
 from __future__ import annotations
@@ -288,10 +289,7 @@ def merged(paths: list[Path]) -> dict:
     for path in paths:
         if not path.is_file():
             raise UserError(f"--from {path}: no such file")
-        earlier = json.loads(path.read_text())
-        if earlier.get("complete") is False:
-            raise UserError(f"--from {path}: a bench cut short wrote it (\"complete\": false); its runs "
-                            "have no targets or verdicts to report")
+        earlier = json.loads(path.read_text())  # a bench cut short wrote the runs it finished: those count
         for policy, res in earlier["policies"].items():
             have = results.setdefault(policy, {**res, "runs": {}})
             if [have.get(k) for k in ("overrides", "device")] != [res.get(k) for k in ("overrides", "device")]:

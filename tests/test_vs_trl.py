@@ -78,7 +78,8 @@ def test_the_bench_names_its_sections_by_policy_shape_or_model(monkeypatch):
 
 def test_runs_of_two_benches_are_compared_only_when_they_make_one_comparison(tmp_path, monkeypatch):
     """`--runs` splits a comparison over two benches on one machine; `--from` joins the runs of a policy
-    made with the same settings on the same device, each once, and refuses anything else in one line."""
+    made with the same settings on the same device, each once (a cut-short bench's finished runs too), and
+    refuses anything else in one line."""
     from nano_miles.run.cli import UserError
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import vs_trl
@@ -90,11 +91,14 @@ def test_runs_of_two_benches_are_compared_only_when_they_make_one_comparison(tmp
         return tmp_path / name
     nano, trl = result("nano.json", ["sync", "async"]), result("trl.json", ["trl"])
     assert list(vs_trl.merged([nano, trl])["0.5b"]["runs"]) == ["sync", "async", "trl"]
+    # a bench cut short keeps the runs it finished; another bench makes the one it did not
+    cut, rest = result("cut.json", ["sync"], complete=False), result("rest.json", ["async"])
+    assert sorted(vs_trl.merged([cut, rest, trl])["0.5b"]["runs"]) == ["async", "sync", "trl"]
     refusals = [("no file holds the trl run of 0.5b", [nano]),
                 ("0.5b has its async, sync run in an earlier file too", [nano, nano]),
                 ("other settings or another device", [nano, result("h200.json", ["trl"], device="NVIDIA H200")]),
                 ("other settings or another device", [nano, result("8.json", ["trl"], overrides=["--trainer.num_steps=8"])]),
-                ("a bench cut short wrote it", [nano, result("cut.json", ["trl"], complete=False)])]
+                ("no file holds the async run of 0.5b", [cut, trl])]
     for says, files in refusals:
         with pytest.raises(UserError, match=says):
             vs_trl.merged(files)
