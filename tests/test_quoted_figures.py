@@ -194,6 +194,7 @@ def suite_seconds(summary: str) -> float:
 
 
 VS_TRL, WORD_GPU = "gpu/vs_trl.json", "gpu/learning_word_problems.json"
+PROFILE = "gpu/gpu_tests_profile.json"
 VS_TRL_05B, SHAPE_05B = "gpu/vs_trl_0.5b.json", ("policies", "Qwen2.5-0.5b shape")
 LARGE_HABIT = "gpu/learning_large.json"
 GRAPHS, GRAPHS_PI = "gpu/vs_trl_large_cuda_graphs.json", "gpu/vs_trl_large_cuda_graphs_trl_pi_old.json"
@@ -679,6 +680,17 @@ CLAIMS = [
             ("train_step_s", num(3)), ("trainer_memory_mb", grouped),
             ("device_memory_mb", lambda v: grouped(v) if v else "–"), ("update_ms", dash_or(".1f")))))
       for run in ("sync", "async", "trl")),
+    *(C(GPU, f"| {label} | {{}} | {{}} % | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} |",
+        F(PROFILE, key, "step_s", fmt=num(2)), F(PROFILE, key, "mfu", fmt=pct(0)),
+        F(PROFILE, key, "seconds_by_kind", lambda k: k["matrix multiply"] + k["attention"], fmt=num(2)),
+        *(F(PROFILE, key, "seconds_by_kind", kind, fmt=num(3 if kind == "optimizer" else 2)) for kind in (
+            "softmax / log-probs", "optimizer", "copy / cast", "elementwise / reductions", "GPU idle (host)")))
+      for label, key in (("eager", "trainer_profile_0.5b"), ("compiled", "trainer_profile_0.5b_compiled"))),
+    C(GPU, "fuses half of that memory-bound work away ({} → {} s): the step is {}× faster.",
+      *(F(PROFILE, key, "seconds_by_kind", lambda k: k["copy / cast"] + k["elementwise / reductions"], fmt=num(2))
+        for key in ("trainer_profile_0.5b", "trainer_profile_0.5b_compiled")),
+      F(PROFILE, "trainer_profile_0.5b", lambda r: r["step_s"] / read_result(PROFILE)[
+          "trainer_profile_0.5b_compiled"]["step_s"], fmt=num(2))),
     C(README, "sync made {}× TRL's samples/s over six steps and async S=2 {}×",
       V(VS_TRL_05B, SHAPE_05B[1], "nano-miles sync", num(2)), V(VS_TRL_05B, SHAPE_05B[1], "nano-miles async", num(2))),
     C(GPU, "Over the six steps, nano-miles sync makes {}× TRL's samples/s and async S=2 {}×",
