@@ -13,7 +13,8 @@ casts, the rest: elementwise ops and reductions), against the step's wall time; 
 it is time the GPU waited for the host (kernel launches, synchronisation, Python). MFU counts 6 N FLOPs
 a token, as bench/scale.py does. On the CPU the small policy's step is split by operator the same way
 (`--shape` is ignored there): a check that the bench runs, not a figure.
-Prints the split and the top kernels; writes trainer_profile_<device>.json into --out (default
+Prints the split, the top kernels and, from one more step that records shapes, the top operators with
+their input shapes (which tensors the kernels ran on); writes trainer_profile_<device>.json into --out (default
 bench/results, or bench/results/gpu for cuda).
 """
 
@@ -84,6 +85,28 @@ def profile_step(learner, samples, on_gpu: bool) -> tuple[float, dict[str, float
     return wall_s, times
 
 
+def operators_by_shape(learner, samples, on_gpu: bool) -> dict[str, float]:
+    """One more step, its operators with their input shapes: the device time (µs) of the kernels each
+    launched itself (on the CPU, its own time). A kernel's name does not say what it ran on; the shapes
+    do (the logits' vocabulary-wide rows, say). A step of its own, since recording shapes costs host
+    time the timed step must not carry."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        learner.step(samples)
+        if on_gpu:
+            torch.cuda.synchronize()
+    ops: dict[str, float] = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        if event.device_type == torch.autograd.DeviceType.CPU and us > 0:
+            key = f"{event.key} {event.input_shapes}"
+            ops[key] = ops.get(key, 0.0) + us
+    return ops
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python bench/trainer_profile.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -124,6 +147,7 @@ def main(argv: list[str]) -> int:
     num_params = sum(p.numel() for p in model.parameters())
     mfu = 6 * num_params * tokens / wall_s / PEAK_BF16_FLOPS if on_gpu else None
     top = sorted(times.items(), key=lambda kv: -kv[1])[:args.top]
+    top_ops = sorted(operators_by_shape(learner, samples, on_gpu).items(), key=lambda kv: -kv[1])[:args.top]
 
     where = torch.cuda.get_device_name() if on_gpu else "CPU, the small policy"
     print(f"\none step, {where}: {args.samples} x ({args.prompt} + {args.response}) tokens, {wall_s:.3f} s, "
@@ -134,13 +158,17 @@ def main(argv: list[str]) -> int:
     print(f"\n{'longest ' + ('kernels' if on_gpu else 'operators'):<70} {'ms':>9}")
     for name, us in top:
         print(f"{name[:70]:<70} {us / 1e3:>9.2f}")
+    print(f"\n{'longest operators, by input shapes (one more step)':<100} {'ms':>9}")
+    for name, us in top_ops:
+        print(f"{name[:100]:<100} {us / 1e3:>9.2f}")
     out = args.out or (RESULTS / "gpu" if on_gpu else RESULTS)
     path = out / f"trainer_profile_{args.device}.json"
     write_result(path, {"device": where, "shape": args.shape if on_gpu else "small policy",
                         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "top")},
                         "num_parameters": num_params, "step_s": wall_s, "train_tokens_per_s": tokens / wall_s,
                         "mfu": mfu, "seconds_by_kind": by_kind,
-                        "top": [{"name": name, "ms": us / 1e3, "kind": kind_of(name)} for name, us in top]},
+                        "top": [{"name": name, "ms": us / 1e3, "kind": kind_of(name)} for name, us in top],
+                        "top_operators": [{"name": name, "ms": us / 1e3} for name, us in top_ops]},
                  is_complete=True)
     print(f"wrote {path}")
     return 0

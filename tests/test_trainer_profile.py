@@ -37,6 +37,9 @@ def test_the_cpu_step_is_split_by_operator(tmp_path):
     split = checked_split(result)
     assert "GPU idle (host)" not in split and split["attention"] > 0 and split["optimizer"] > 0
     assert result["top"][0]["name"] == "aten::mm"  # the small policy's step is its matrix multiplies
+    ops = result["top_operators"]  # ... and which: each operator with the shapes it ran on
+    assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
+    assert ops[0]["name"].startswith("aten::mm [[") and all(" [" in o["name"] for o in ops)
     assert "matrix multiply" in done.stdout and "wrote" in done.stdout
 
 
@@ -81,3 +84,4 @@ def test_the_gpu_step_at_the_0_5b_shape_is_split_by_kernel(tmp_path, compiled):
     report(f"trainer_profile_0.5b{'_compiled' if compiled else ''}", result)
     split = checked_split(result)
     assert split["attention"] > 0 and split["optimizer"] > 0 and 0 < result["mfu"] < 1
+    assert result["top_operators"] and all(" [" in o["name"] for o in result["top_operators"])
