@@ -156,7 +156,9 @@ def run_nano(name: str, config: str, overrides: list[str], root: Path) -> dict:
             # the trainer's wait for a scored batch: generation and scoring it could not overlap
             "generate_s": sum(row["phase_s"][p] for p in ("generate", "score", "waiting")),
             "train_step_s": row["phase_s"]["train"], "update_ms": s["mean_update_ms"], "evals": s["evals"],
-            "device_memory_mb": memory.peak_mb, "trainer_memory_mb": row["peak_memory_mb"], "goodput": s["goodput"]}
+            # none above idle: the run was finished before this bench (read back from --keep-runs), unmeasured
+            "device_memory_mb": memory.peak_mb or None, "trainer_memory_mb": row["peak_memory_mb"],
+            "goodput": s["goodput"]}
 
 
 def run_trl(config: str, overrides: list[str], generation: str, env: dict, root: Path) -> dict:
