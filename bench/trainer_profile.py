@@ -40,7 +40,7 @@ KINDS = (("attention", r"flash|fmha|attention|sdpa"),
          ("matrix multiply", r"gemm|cutlass|nvjet|xmma|cublas|matmul|\baten::(mm|addmm|bmm|linear)\b"),
          ("softmax / log-probs", r"softmax|logsumexp|cross_entropy|nll_loss"),
          ("optimizer", r"adam|multi_tensor|foreach"),
-         ("copy / cast", r"copy|memcpy|memset|cast|convert"))
+         ("copy / cast", r"copy|memcpy|memset|(?<!no)cast|convert"))  # not "gpu_kernel_impl_nocast<...Mul..>"
 OTHER = "elementwise / reductions"
 IDLE = "GPU idle (host)"
 
@@ -60,51 +60,36 @@ def split(times_us: dict[str, float], wall_s: float, on_gpu: bool) -> dict[str, 
     return by_kind
 
 
-def profile_step(learner, samples, on_gpu: bool) -> tuple[float, dict[str, float]]:
-    """The wall seconds of one learner step and the self time (µs) of each kernel (GPU) or operator (CPU)."""
+def profile_step(learner, samples, on_gpu: bool, record_shapes: bool = False):
+    """The wall seconds of one learner step under torch.profiler, and the profile."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         sync()
         started = time.perf_counter()
         learner.step(samples)
         sync()
         wall_s = time.perf_counter() - started
+    return wall_s, prof
+
+
+def self_times(prof, on_gpu: bool, by_shape: bool = False) -> dict[str, float]:
+    """µs by name: each kernel's own time (GPU) or operator's (CPU); with `by_shape`, each operator and
+    the shapes it ran on, with the device time of the kernels it launched itself (on the CPU, its own)."""
+    import torch
     times: dict[str, float] = {}
-    for event in prof.key_averages():
-        on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if on_device == on_gpu:
-            us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
-            if us > 0:
-                times[event.key] = times.get(event.key, 0.0) + us
+    for event in prof.key_averages(group_by_input_shape=by_shape):
+        us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        kernel = event.device_type == torch.autograd.DeviceType.CUDA
+        if us > 0 and (not kernel if by_shape else kernel == on_gpu):
+            name = f"{event.key} {event.input_shapes}" if by_shape else event.key
+            times[name] = times.get(name, 0.0) + us
     if not times:
         raise SystemExit(f"the profiler recorded no {'CUDA kernels' if on_gpu else 'operators'} in the step")
-    return wall_s, times
-
-
-def operators_by_shape(learner, samples, on_gpu: bool) -> dict[str, float]:
-    """One more step, its operators with their input shapes: the device time (µs) of the kernels each
-    launched itself (on the CPU, its own time). A kernel's name does not say what it ran on; the shapes
-    do (the logits' vocabulary-wide rows, say). A step of its own, since recording shapes costs host
-    time the timed step must not carry."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities, record_shapes=True) as prof:
-        learner.step(samples)
-        if on_gpu:
-            torch.cuda.synchronize()
-    ops: dict[str, float] = {}
-    for event in prof.key_averages(group_by_input_shape=True):
-        us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
-        if event.device_type == torch.autograd.DeviceType.CPU and us > 0:
-            key = f"{event.key} {event.input_shapes}"
-            ops[key] = ops.get(key, 0.0) + us
-    return ops
+    return times
 
 
 def main(argv: list[str]) -> int:
@@ -118,7 +103,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer.micro_batch_tokens")
     parser.add_argument("--checkpointing", action="store_true", help="trainer.gradient_checkpointing")
     parser.add_argument("--compile", action="store_true", help="trainer.compile (decoder layers, GPU only)")
-    parser.add_argument("--top", type=int, default=15, help="how many of the longest kernels to print")
+    parser.add_argument("--top", type=int, default=15, help="how many of the longest kernels and operators to print")
     parser.add_argument("--out", type=Path, default=None, help="result directory (default bench/results[/gpu])")
     args = parser.parse_args(argv)
     if min(args.samples, args.prompt, args.response, args.micro_batch_tokens) < 1:
@@ -141,13 +126,17 @@ def main(argv: list[str]) -> int:
         started = time.perf_counter()
         learner.step(samples)
         print(f"warm-up step {i + 1}: {time.perf_counter() - started:.2f} s", flush=True)
-    wall_s, times = profile_step(learner, samples, on_gpu)
+    wall_s, prof = profile_step(learner, samples, on_gpu)
+    times = self_times(prof, on_gpu)
+    # which tensors those kernels ran on: one more step, since recording shapes costs host time that the
+    # timed step must not carry
+    by_shape = self_times(profile_step(learner, samples, on_gpu, record_shapes=True)[1], on_gpu, by_shape=True)
     by_kind = split(times, wall_s, on_gpu)
     tokens = args.samples * (args.prompt + args.response - 1)
     num_params = sum(p.numel() for p in model.parameters())
     mfu = 6 * num_params * tokens / wall_s / PEAK_BF16_FLOPS if on_gpu else None
     top = sorted(times.items(), key=lambda kv: -kv[1])[:args.top]
-    top_ops = sorted(operators_by_shape(learner, samples, on_gpu).items(), key=lambda kv: -kv[1])[:args.top]
+    top_ops = sorted(by_shape.items(), key=lambda kv: -kv[1])[:args.top]
 
     where = torch.cuda.get_device_name() if on_gpu else "CPU, the small policy"
     print(f"\none step, {where}: {args.samples} x ({args.prompt} + {args.response}) tokens, {wall_s:.3f} s, "
