@@ -13,6 +13,7 @@ tokens its environment wrote between the model's turns (the sample's mask): thos
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,10 +136,17 @@ def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: floa
     return picked
 
 
+@functools.cache
+def _fused_chunk_scores():
+    """`_chunk_scores` through torch.compile (built on first use): the cast, softmax, gather and entropy
+    each pass over a chunk's whole vocabulary in eager mode; compiled, they share a few kernels."""
+    return torch.compile(_chunk_scores, dynamic=True)
+
+
 def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attention_mask: torch.Tensor,
                  temperature: float = 1.0, positions: torch.Tensor | None = None,
                  with_entropy: bool = False, entropy_grad: bool = False,
-                 packing: Packing | None = None, index: torch.Tensor | None = None
+                 packing: Packing | None = None, index: torch.Tensor | None = None, fused: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(target_t | tokens_<=t), entropy of pi(. | tokens_<=t) or None without `with_entropy`)
     at every position, in fp32, as the engine computes them; 0 off `positions` (a (B, T-1) bool mask;
@@ -156,6 +164,8 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
     forward pass runs on the real tokens only, laid end to end, and its hidden states are put back in
     the padded layout. `index` (the batch's `loss_index` for `positions` = its loss mask) names the
     positions by flat index, counted on the host: then nothing here waits for the device.
+
+    `fused` (a GPU trainer with `trainer.compile`): the chunks are scored by torch.compile's kernels.
     """
     # Through the model's own forward (so FSDP's and other wrappers' hooks run), with the output head
     # on the last position only: the head runs here, chunk by chunk, on the final hidden states.
@@ -177,12 +187,12 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
     softcap = getattr(model.config, "final_logit_softcapping", None)
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
     recompute = torch.is_grad_enabled() and len(rows) > chunk
+    score = _fused_chunk_scores() if fused else _chunk_scores
     logps, entropies = [], []
     for start in range(0, len(rows), chunk):
         entropy = [] if with_entropy and not entropy_grad else None
         args = (head, rows[start:start + chunk], wanted[start:start + chunk], scale, softcap, entropy, entropy_grad)
-        out = (torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
-               if recompute else _chunk_scores(*args))
+        out = torch.utils.checkpoint.checkpoint(score, *args, use_reentrant=False) if recompute else score(*args)
         if entropy_grad:
             out, chunk_entropy = out
             entropy = [chunk_entropy]

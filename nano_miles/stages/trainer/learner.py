@@ -147,6 +147,7 @@ class Learner:
                 sharded.shard(self.reference)
         if t.compile and on_gpu:  # after the reference's copy: a compiled layer's call is bound to its module
             compile_layers(model)
+        self.fused_scores = t.compile and on_gpu  # the log-probs' passes over the vocabulary, compiled too
         # after sharding, which replaces the parameters; fused: one kernel for the whole update on a GPU,
         # the CPU keeps the default (its numbers unchanged)
         self.trained = [p for p in model.parameters() if p.requires_grad]  # all, or a LoRA model's adapters
@@ -315,7 +316,7 @@ class Learner:
                 logp, entropy = token_scores(self.model, b.input_ids, b.targets, b.attention_mask, self.temperature,
                                              positions=b.loss_mask, with_entropy=True,
                                              entropy_grad=self.cfg.entropy_coef > 0, packing=b.packing,
-                                             index=b.loss_index)
+                                             index=b.loss_index, fused=self.fused_scores)
                 out = policy_loss(logp, p.old_logp, b.advantages, b.loss_mask, self.loss_cfg, totals,
                                   engine_logp=b.old_logprobs, is_weights=p.is_weights, ref_logp=p.ref_logp,
                                   entropy=entropy)
@@ -363,4 +364,5 @@ class Learner:
 
     def logprobs(self, model, batch) -> torch.Tensor:
         return token_scores(model, batch.input_ids, batch.targets, batch.attention_mask, self.temperature,
-                            positions=batch.loss_mask, packing=batch.packing, index=batch.loss_index)[0]
+                            positions=batch.loss_mask, packing=batch.packing, index=batch.loss_index,
+                            fused=self.fused_scores)[0]
