@@ -206,7 +206,7 @@ class TrainerConfig(Section):
     dtype: str = checked("float32", one_of(*TRAIN_DTYPES))  # bfloat16: autocast, fp32 weights and optimizer
     gradient_checkpointing: bool = checked(False, BOOL)  # recompute activations in the backward pass
     memory_plan: bool = checked(False, BOOL)          # CUDA: the two above from stages/trainer/memory_plan.py
-    compile: bool = checked(False, BOOL)              # CUDA: each decoder layer through torch.compile
+    compile: bool = checked(False, BOOL)              # CUDA: decoder layers, log-prob chunks: torch.compile
     lora_rank: int = checked(0, at_least(0))          # > 0: train LoRA adapters of this rank on frozen base
                                                       # weights (PEFT); 0 = full fine-tuning
     lora_alpha: float = checked(32.0, above(0))       # the adapters' scale is lora_alpha / lora_rank
