@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nano_miles"
 MAX_MODULE_LINES = 400
 # all that the pure math may import: tensors and the standard library's plain data helpers
-ALGO_MAY_IMPORT = ("torch", "numpy", "math", "dataclasses", "typing", "__future__", "nano_miles.algo")
+ALGO_MAY_IMPORT = ("torch", "numpy", "math", "dataclasses", "functools", "typing", "__future__", "nano_miles.algo")
 ALGO_MAY_NOT_IMPORT = ("torch.distributed", "torch.multiprocessing", "torch.utils.data")
 PROCS = sorted((ROOT / "procs").glob("*.py"))  # one thin entry point per process supervisord starts
 MAX_PROC_LINES = 80
