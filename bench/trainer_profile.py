@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--response", type=int, default=512, help="response tokens a sample")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer.micro_batch_tokens")
     parser.add_argument("--checkpointing", action="store_true", help="trainer.gradient_checkpointing")
-    parser.add_argument("--compile", action="store_true", help="trainer.compile (decoder layers, GPU only)")
+    parser.add_argument("--compile", action="store_true", help="trainer.compile (decoder layers and log-prob chunks, GPU only)")
     parser.add_argument("--top", type=int, default=15, help="how many of the longest kernels and operators to print")
     parser.add_argument("--out", type=Path, default=None, help="result directory (default bench/results[/gpu])")
     args = parser.parse_args(argv)
