@@ -2,7 +2,7 @@
 
 Run: python bench/trainer_profile.py [--device cpu|cuda] [--shape 0.5b] [--samples 128] [--prompt 150]
                                      [--response 512] [--micro-batch-tokens 16384] [--checkpointing]
-                                     [--compile] [--top 15] [--out DIR]
+                                     [--compile] [--logit-chunk-mib 1024] [--top 15] [--out DIR]
 
 The trainer's step of the scale bench, alone: random token samples (fixed-length responses, as a
 random-weight model writes them) through the Learner the trainer stage runs, with its GPU settings
@@ -11,8 +11,11 @@ AdamW state; the compile with --compile), one step runs under torch.profiler. On
 time is summed by kind (matrix multiplies, attention, the log-probs' softmax, the optimizer, copies and
 casts, the rest: elementwise ops and reductions), against the step's wall time; what the kernels leave of
 it is time the GPU waited for the host (kernel launches, synchronisation, Python). MFU counts 6 N FLOPs
-a token, as bench/scale.py does. On the CPU the small policy's step is split by operator the same way
-(`--shape` is ignored there): a check that the bench runs, not a figure.
+a token, as bench/scale.py does, and the peak of allocated memory is taken over every step run. On the
+CPU the small policy's step is split by operator the same way (`--shape` is ignored there): a check that
+the bench runs, not a figure. `--logit-chunk-mib` sets the fp32 logits a log-prob chunk holds
+(algo/grpo.py's LOGIT_CHUNK_ELEMENTS): fewer, larger chunks cast and accumulate the output head's weight
+fewer times.
 Prints the split, the top kernels and, from one more step that records shapes, the top operators with
 their input shapes (which tensors the kernels ran on); writes trainer_profile_<device>.json into --out (default
 bench/results, or bench/results/gpu for cuda).
@@ -103,12 +106,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer.micro_batch_tokens")
     parser.add_argument("--checkpointing", action="store_true", help="trainer.gradient_checkpointing")
     parser.add_argument("--compile", action="store_true", help="trainer.compile (decoder layers and log-prob chunks, GPU only)")
+    parser.add_argument("--logit-chunk-mib", type=int, default=None,
+                        help="MiB of fp32 logits a log-prob chunk holds (default: grpo.py's, 1024)")
     parser.add_argument("--top", type=int, default=15, help="how many of the longest kernels and operators to print")
     parser.add_argument("--out", type=Path, default=None, help="result directory (default bench/results[/gpu])")
     args = parser.parse_args(argv)
     if min(args.samples, args.prompt, args.response, args.micro_batch_tokens) < 1:
         parser.error("--samples, --prompt, --response and --micro-batch-tokens take positive counts")
+    if args.logit_chunk_mib is not None and args.logit_chunk_mib < 1:
+        parser.error("--logit-chunk-mib takes a positive count")
     import torch
+
+    from nano_miles.algo import grpo
+    if args.logit_chunk_mib is not None:
+        grpo.LOGIT_CHUNK_ELEMENTS = args.logit_chunk_mib * 2**20 // 4
 
     from nano_miles.run.sections import TrainerConfig
     from nano_miles.stages.trainer.learner import Learner
@@ -139,8 +150,10 @@ def main(argv: list[str]) -> int:
     top_ops = sorted(by_shape.items(), key=lambda kv: -kv[1])[:args.top]
 
     where = torch.cuda.get_device_name() if on_gpu else "CPU, the small policy"
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None  # over every step above
     print(f"\none step, {where}: {args.samples} x ({args.prompt} + {args.response}) tokens, {wall_s:.3f} s, "
-          f"{tokens / wall_s:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f} % (6 N)" if mfu is not None else ""))
+          f"{tokens / wall_s:,.0f} tokens/s" + (f", MFU {100 * mfu:.1f} % (6 N), peak allocated {peak_gib:.2f} GiB"
+                                               if on_gpu else ""))
     print(f"{'kind':<28} {'s':>8} {'of step':>8}")
     for kind, s in by_kind.items():
         print(f"{kind:<28} {s:>8.3f} {100 * s / wall_s:>7.1f}%")
@@ -155,7 +168,7 @@ def main(argv: list[str]) -> int:
     write_result(path, {"device": where, "shape": args.shape if on_gpu else "small policy",
                         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "top")},
                         "num_parameters": num_params, "step_s": wall_s, "train_tokens_per_s": tokens / wall_s,
-                        "mfu": mfu, "seconds_by_kind": by_kind,
+                        "mfu": mfu, "peak_allocated_gib": peak_gib, "seconds_by_kind": by_kind,
                         "top": [{"name": name, "ms": us / 1e3, "kind": kind_of(name)} for name, us in top],
                         "top_operators": [{"name": name, "ms": us / 1e3} for name, us in top_ops]},
                  is_complete=True)

@@ -195,6 +195,7 @@ def suite_seconds(summary: str) -> float:
 
 VS_TRL, WORD_GPU = "gpu/vs_trl.json", "gpu/learning_word_problems.json"
 PROFILE = "gpu/gpu_tests_profile.json"
+CHUNKS = "gpu/logit_chunks_0.5b.json"  # the compiled 0.5B step at two log-prob chunk sizes
 COMPILED_05B = F(PROFILE, "trainer_profile_0.5b",  # the eager step over the compiled one, in one call
                  lambda r: r["step_s"] / read_result(PROFILE)["trainer_profile_0.5b_compiled"]["step_s"], fmt=num(2))
 VS_TRL_05B, SHAPE_05B = "gpu/vs_trl_0.5b.json", ("policies", "Qwen2.5-0.5b shape")
@@ -707,6 +708,21 @@ CLAIMS = [
       for label, name in (("8 k-token micro-batches, eager", "trainer_profile_1.5b_8k"),
                           ("8 k-token micro-batches, compiled", "trainer_profile_1.5b_8k_compiled"),
                           ("16 k-token micro-batches, compiled", "trainer_profile_1.5b_compiled"))),
+    *(C(GPU, "| {} | {} | {} | {} | {} | {} | {} | {} |",
+        F(CHUNKS, "runs", i, "logit_chunk_mib", fmt=lambda mib: "1 GiB" if mib == 1024 else f"{mib} MiB"),
+        F(CHUNKS, "runs", i, "call"), F(CHUNKS, "runs", i, "step_s", fmt=num(2)),
+        F(CHUNKS, "runs", i, "kernel_s", fmt=num(2)),
+        F(CHUNKS, "runs", i, "seconds_by_kind", "copy / cast", fmt=num(2)),
+        F(CHUNKS, "runs", i, "seconds_by_kind", "elementwise / reductions", fmt=num(2)),
+        F(CHUNKS, "runs", i, "seconds_by_kind", "GPU idle (host)", fmt=num(2)),
+        F(CHUNKS, "runs", i, "peak_allocated_gib", fmt=num(2))) for i in range(4)),
+    C(GPU, "The kernels' time falls by {} s a step** ({} → {} s)",  # call 1; call 2 is in the table
+      F(CHUNKS, "runs", lambda runs: runs[0]["kernel_s"] - runs[1]["kernel_s"], fmt=num(2)),
+      F(CHUNKS, "runs", 0, "kernel_s", fmt=num(2)), F(CHUNKS, "runs", 1, "kernel_s", fmt=num(2))),
+    C(GPU, "Peak allocated memory rises by\n  {} GiB.",
+      F(CHUNKS, "runs", lambda runs: runs[1]["peak_allocated_gib"] - runs[0]["peak_allocated_gib"], fmt=num(2))),
+    C(GPU, "own matrix multiply ({} ms) and fused log-softmax ({} ms)",
+      F(CHUNKS, "runs", 1, "top_operators", 3, "ms", fmt=num(0)), F(CHUNKS, "runs", 1, "top_operators", 5, "ms", fmt=num(0))),
     C(README, "{}× faster at the 0.5B shape and {}× at 1.5B in one profile on an H100", COMPILED_05B,
       F("gpu/trainer_profile_1.5b_8k.json", lambda r: r["step_s"] / read_result(
           "gpu/trainer_profile_1.5b_8k_compiled.json")["step_s"], fmt=num(2))),
