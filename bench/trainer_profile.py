@@ -14,8 +14,8 @@ it is time the GPU waited for the host (kernel launches, synchronisation, Python
 a token, as bench/scale.py does, and the peak of allocated memory is taken over every step run. On the
 CPU the small policy's step is split by operator the same way (`--shape` is ignored there): a check that
 the bench runs, not a figure. `--logit-chunk-mib` sets the fp32 logits a log-prob chunk holds
-(algo/grpo.py's LOGIT_CHUNK_ELEMENTS): fewer, larger chunks cast and accumulate the output head's weight
-fewer times.
+(algo/grpo.py's LOGIT_CHUNK_ELEMENTS, FUSED_LOGIT_CHUNK_ELEMENTS with --compile): fewer, larger chunks
+cast and accumulate the output head's weight fewer times.
 Prints the split, the top kernels and, from one more step that records shapes, the top operators with
 their input shapes (which tensors the kernels ran on); writes trainer_profile_<device>.json into --out (default
 bench/results, or bench/results/gpu for cuda).
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpointing", action="store_true", help="trainer.gradient_checkpointing")
     parser.add_argument("--compile", action="store_true", help="trainer.compile (decoder layers and log-prob chunks, GPU only)")
     parser.add_argument("--logit-chunk-mib", type=int, default=None,
-                        help="MiB of fp32 logits a log-prob chunk holds (default: grpo.py's, 1024)")
+                        help="MiB of fp32 logits a log-prob chunk holds (default: 256, 1024 with --compile)")
     parser.add_argument("--top", type=int, default=15, help="how many of the longest kernels and operators to print")
     parser.add_argument("--out", type=Path, default=None, help="result directory (default bench/results[/gpu])")
     args = parser.parse_args(argv)
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
 
     from nano_miles.algo import grpo
     if args.logit_chunk_mib is not None:
-        grpo.LOGIT_CHUNK_ELEMENTS = args.logit_chunk_mib * 2**20 // 4
+        grpo.LOGIT_CHUNK_ELEMENTS = grpo.FUSED_LOGIT_CHUNK_ELEMENTS = args.logit_chunk_mib * 2**20 // 4
 
     from nano_miles.run.sections import TrainerConfig
     from nano_miles.stages.trainer.learner import Learner

@@ -109,12 +109,16 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
     return batches
 
 
-# fp32 logits held at once while scoring: 1 GiB. At a 152k vocabulary that is ~1,770 tokens per chunk;
-# at the small policy's 263 the whole batch is one chunk. Each chunk casts the output head to bf16
-# again in its recomputation and adds its own gradient into the head's fp32 one, so fewer chunks
-# cost less: on an H100, the 0.5B shape's compiled step spent 0.76 s in kernels against 0.94 s at
-# 256 MiB chunks, for 1 GiB more peak memory (and chunks of ~110 tokens made a step 1.5x slower).
-LOGIT_CHUNK_ELEMENTS = 1 << 28
+# fp32 logits held at once while scoring: 256 MiB. At a 152k vocabulary that is ~440 tokens per chunk
+# (on an H200, chunks of ~110 tokens made a 0.5B bf16 step 1.5x slower); at the small policy's 263
+# the whole batch is one chunk.
+LOGIT_CHUNK_ELEMENTS = 1 << 26
+# Compiled (`fused`), 1 GiB: each chunk casts the output head to bf16 again in its recomputation and
+# adds its own gradient into the head's fp32 one, so fewer chunks cost less. On an H100 the 0.5B
+# shape's compiled step spent 0.76 s in kernels against 0.94 s at 256 MiB, and peaked 0.99 GiB
+# higher. Eager chunks, whose log-softmax, exp and gradients are each another tensor of the logits'
+# size, stay at 256 MiB: the larger size is not measured there.
+FUSED_LOGIT_CHUNK_ELEMENTS = 1 << 28
 
 
 def _chunk_scores(head, hidden: torch.Tensor, targets: torch.Tensor, scale: float, softcap: float | None,
@@ -167,7 +171,8 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
     the padded layout. `index` (the batch's `loss_index` for `positions` = its loss mask) names the
     positions by flat index, counted on the host: then nothing here waits for the device.
 
-    `fused` (a GPU trainer with `trainer.compile`): the chunks are scored by torch.compile's kernels.
+    `fused` (a GPU trainer with `trainer.compile`): the chunks are scored by torch.compile's kernels,
+    FUSED_LOGIT_CHUNK_ELEMENTS at a time.
     """
     # Through the model's own forward (so FSDP's and other wrappers' hooks run), with the output head
     # on the last position only: the head runs here, chunk by chunk, on the final hidden states.
@@ -187,7 +192,7 @@ def token_scores(model, input_ids: torch.Tensor, targets: torch.Tensor, attentio
     head = model.get_output_embeddings()
     scale = temperature if temperature >= 1e-6 else 1.0
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.weight.shape[0])
+    chunk = max(1, (FUSED_LOGIT_CHUNK_ELEMENTS if fused else LOGIT_CHUNK_ELEMENTS) // head.weight.shape[0])
     recompute = torch.is_grad_enabled() and len(rows) > chunk
     score = _fused_chunk_scores() if fused else _chunk_scores
     logps, entropies = [], []
