@@ -22,10 +22,11 @@ The activation coefficients were fitted on one H200 at the Qwen2.5-0.5B shape; a
 measured since (bench/results/gpu/README.md, "Real model shapes": full fine-tunes at 0.5B and 1.5B, LoRA
 at 1.5B and 7B, with checkpointing and without) the whole estimate errs high by 13 to 30 %; before the
 copies were counted it said 40.6 GiB for a 7B LoRA run that peaked at 47.7. Those peaks were measured
-with 256 MiB logit chunks; the 1 GiB chunks of a compiled trainer since added 0.99 GiB to the
-0.5B step's peak, which every estimate still covers (the nearest: 3B beside SGLang, 59.1 + 1 against 60.5 GiB). The trainer's
-share is the GPU less the engine's static fraction (engine.mem_fraction_static, when SGLang runs on this
-GPU) less ENGINE_RESERVE_GIB for what SGLang allocates beyond it (CUDA graphs, prefill activations).
+with 256 MiB logit chunks; the 1 GiB chunks of a compiled trainer since added 0.99 GiB to the 0.5B
+step's peak, which every estimate still covers (the nearest: 3B beside SGLang, 59.1 + 1 against 60.5
+GiB). The trainer's share is the GPU less the engine's static fraction (engine.mem_fraction_static,
+when SGLang runs on this GPU) less ENGINE_RESERVE_GIB for what SGLang allocates beyond it (CUDA graphs,
+prefill activations).
 
 Sharded over N ranks (`trainer.strategy = "fsdp2"`, `trainer.world_size = N`), each GPU keeps 1/N of the
 state, and FSDP2 gathers full fp32 units as it goes: the root (embeddings, head, final norm) stays
